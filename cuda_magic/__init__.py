@@ -1,0 +1,50 @@
+"""cuda_magic: IPython/Jupyter magics that end the "CUDA out of memory" kernel restart.
+
+`%load_ext cuda_magic` registers `%gpumem`, `%%oomguard` / `%oomguard on|off` and `%freecuda`.
+Importing this package imports no torch, pandas, ipywidgets or pynvml: the public API below is
+loaded on first use.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_API = {
+    "snapshot": ("cuda_magic.snapshot", "snapshot"),
+    "diff": ("cuda_magic.model", "diff"),
+    "release": ("cuda_magic.release", "release"),
+    "is_oom": ("cuda_magic.oom", "is_oom"),
+    "explain": ("cuda_magic.explain", "explain"),
+    "oomguard": ("cuda_magic.api", "oomguard"),
+    "SimulatedDevice": ("cuda_magic.simulated", "SimulatedDevice"),
+    "simulated_device": ("cuda_magic.simulated", "simulated_device"),
+    "parse_size": ("cuda_magic.units", "parse_size"),
+}
+
+__all__ = sorted(_API) + ["load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    target = _API.get(name)
+    if target is None:
+        raise AttributeError(f"module 'cuda_magic' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(shell) -> None:
+    from .extension import load
+
+    load(shell)
+
+
+def unload_ipython_extension(shell) -> None:
+    from .extension import unload
+
+    unload(shell)

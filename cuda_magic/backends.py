@@ -1,0 +1,207 @@
+"""Device backends: where each device's memory is, as DeviceMemory records whose parts add up.
+
+CUDA reads torch's allocator statistics only where torch has already initialised CUDA, and NVML for
+device totals, this process's share and the other processes; where torch has not touched CUDA, NVML
+alone answers, so reading memory never creates a CUDA context. MPS reads torch.mps; with no GPU at all
+the CPU is shown (process memory, CPU tensors). The session's simulated device comes first when active.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .model import DeviceMemory, ProcessMemory
+from .nvml import get_nvml, visible_nvml_devices
+
+
+@dataclass
+class DeviceReading:
+    devices: list[DeviceMemory]
+    processes: list[ProcessMemory] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    gpu_present: bool = False
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def cuda_initialized() -> bool:
+    torch = _torch()
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # a torch build without CUDA support at all
+        return False
+
+
+def _has_context(torch, index: int) -> bool:
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return bool(probe(index)) if probe is not None else True
+
+
+def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemory]]:
+    nvml = get_nvml()
+    nv = visible_nvml_devices(nvml)
+    torch = _torch()
+    initialized = cuda_initialized()
+    if not nv and nvml.failure and initialized:
+        notes.append(f"{nvml.failure}; figures come from torch alone")
+    count = torch.cuda.device_count() if initialized else len(nv)
+    me = os.getpid()
+    devices, processes = [], []
+    for i in range(count):
+        info = nv[i] if i < len(nv) else None
+        dnotes = list(info.notes) if info else []
+        total = info.total if info else None
+        free = info.free if info else None
+        name = info.name if info else f"GPU {i}"
+        allocated = reserved = peak = 0
+        this_proc = None
+        if info is not None and info.processes_known and (info.processes or not initialized):
+            this_proc = sum(u or 0 for pid, u in info.processes if pid == me)
+        if initialized:
+            allocated = int(torch.cuda.memory_allocated(i))
+            reserved = int(torch.cuda.memory_reserved(i))
+            peak = int(torch.cuda.max_memory_allocated(i))
+            if _has_context(torch, i):
+                free_t, total_t = torch.cuda.mem_get_info(i)
+                free, total = int(free_t), int(total_t)
+            if info is None:
+                name = torch.cuda.get_device_name(i)
+        dev = DeviceMemory(key=f"cuda:{i}", name=name, kind="cuda", capacity=total,
+                           torch_allocated=allocated, torch_cached=reserved - allocated,
+                           peak=peak if initialized else None, notes=dnotes)
+        if total is not None and free is not None:
+            used = total - free
+            if this_proc is not None and this_proc >= reserved:
+                dev.other_this_process = this_proc - reserved
+                dev.other_processes = max(0, used - this_proc)
+            else:
+                dev.other_this_process = None if reserved else 0
+                dev.other_processes = max(0, used - reserved)
+                if reserved:
+                    dev.notes.append("NVML does not list this process here (a container?): its CUDA "
+                                     "context is counted under other processes")
+            dev.free = free
+        else:
+            dev.other_this_process = dev.other_processes = dev.free = None
+            dev.notes.append("device totals unknown")
+        if not initialized:
+            dev.notes.append("torch has not used this GPU yet in this process")
+        devices.append(dev)
+        if info is not None:
+            for pid, used_p in info.processes:
+                processes.append(ProcessMemory(device=dev.key, pid=pid, used=used_p,
+                                               name=nvml.process_name(pid), user=_user_of(pid),
+                                               this_process=pid == me))
+    return devices, processes
+
+
+def mps_device() -> DeviceMemory | None:
+    torch = _torch()
+    if torch is None:
+        return None
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available():
+        return None
+    allocated = int(torch.mps.current_allocated_memory())
+    driver = int(torch.mps.driver_allocated_memory())
+    capacity = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") else None
+    free = max(0, capacity - driver) if capacity is not None else None
+    return DeviceMemory(key="mps", name="Apple MPS", kind="mps", capacity=capacity,
+                        torch_allocated=allocated, torch_cached=max(0, driver - allocated),
+                        other_this_process=0, other_processes=None if capacity is None else 0, free=free,
+                        peak=None, peak_exact=False,
+                        notes=["MPS keeps no peak counter; other processes share unified memory"])
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError:
+        pass
+    return values
+
+
+def process_rss() -> tuple[int | None, int | None]:
+    """(resident bytes now, resident peak bytes) of this process, from the operating system."""
+    rss = hwm = None
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        hwm = peak if sys.platform == "darwin" else peak * 1024
+    return rss, hwm
+
+
+def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
+    info = _meminfo()
+    total, available = info.get("MemTotal"), info.get("MemAvailable")
+    rss, hwm = process_rss()
+    dev = DeviceMemory(key="cpu", name="CPU memory", kind="cpu", capacity=total,
+                       torch_cached=0, peak=hwm, peak_exact=False,
+                       notes=["peak is the operating system's resident peak (approximate)"])
+    if rss is None:
+        rss = tensor_bytes or 0
+    allocated = min(tensor_bytes, rss) if tensor_bytes is not None else 0
+    dev.torch_allocated = allocated
+    dev.other_this_process = rss - allocated
+    if total is not None and available is not None:
+        dev.other_processes = max(0, total - available - rss)
+        dev.free = total - rss - dev.other_processes   # MemAvailable, unless it counts our own pages
+    else:
+        dev.other_processes = dev.free = None
+    return dev
+
+
+def read_devices(*, cpu_tensor_bytes: int | None = None, include_cpu_when_gpu: bool = False) -> DeviceReading:
+    """Every device, the simulated one first; with no GPU, the CPU view and a note saying so."""
+    from .simulated import active_device
+
+    reading = DeviceReading(devices=[])
+    sim = active_device()
+    if sim is not None:
+        reading.devices.append(sim.memory())
+    cuda, procs = cuda_devices(reading.notes)
+    reading.devices.extend(cuda)
+    reading.processes.extend(procs)
+    mps = mps_device()
+    if mps is not None:
+        reading.devices.append(mps)
+    reading.gpu_present = bool(cuda or mps)
+    if not reading.gpu_present:
+        nvml_failure = get_nvml().failure
+        why = f" ({nvml_failure})" if nvml_failure else ""
+        reading.notes.insert(0, f"No GPU found{why}: showing this process's CPU memory and CPU tensors.")
+    if not reading.gpu_present or include_cpu_when_gpu:
+        reading.devices.append(cpu_device(cpu_tensor_bytes))
+    return reading
+
+
+def _user_of(pid: int) -> str:
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return ""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)

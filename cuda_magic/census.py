@@ -1,0 +1,204 @@
+"""The census of live tensors: found by one pass over the garbage collector's objects, counted once per
+storage, and named by a bounded walk of the user's namespace (module parameters, optimizer state, list
+and dict items, attributes, the output cache, the last error's traceback). Holds no tensor afterwards.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+from .model import TensorRecord
+
+_ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
+                     type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                     types.ModuleType, types.CodeType, property, staticmethod, classmethod,
+                     type(Ellipsis), memoryview})
+_LARGE = 64                 # containers longer than this are first checked with set(map(type, ...))
+MAX_VISITS = 400_000        # the namespace walk stops here (names then may be incomplete)
+MAX_DEPTH = 8
+_SKIP_NAMES = frozenset({"In", "Out", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_ih", "_dh",
+                         "exit", "quit", "get_ipython", "__builtin__", "__builtins__", "__name__",
+                         "__doc__", "__package__", "__loader__", "__spec__"})
+
+
+def tensor_types(torch) -> frozenset:
+    found, stack = set(), [torch.Tensor]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(cls.__subclasses__())
+    return frozenset(found)
+
+
+def _is_cache_name(name: str) -> bool:
+    """IPython's output-cache and input-history names: _7, _i7."""
+    return name[:1] == "_" and (name[1:].isdigit() or (name[1:2] == "i" and name[2:].isdigit()))
+
+
+class _Namer:
+    def __init__(self, torch, by_id: dict[int, int], names: dict[int, list[str]]):
+        self.torch = torch
+        self.by_id = by_id
+        self.names = names
+        self.ttypes = tensor_types(torch)
+        self.module_type = torch.nn.Module
+        self.optim_type = torch.optim.Optimizer
+        self.seen: set[int] = set()
+        self.visits = 0
+        self.param_names: dict[int, str] = {}
+        self.optimizers: list[tuple[str, object]] = []
+        self.truncated = False
+
+    def add(self, obj, name: str) -> None:
+        key = self.by_id.get(id(obj))
+        if key is not None:
+            lst = self.names.setdefault(key, [])
+            if name not in lst:
+                lst.append(name)
+        grad = obj.grad if getattr(obj, "is_leaf", False) else None
+        if grad is not None:
+            self.add(grad, f"{name}.grad")
+
+    def walk(self, obj, name: str, depth: int = 0) -> None:
+        cls = type(obj)
+        if cls in _ATOMIC:
+            return
+        if cls in self.ttypes:
+            self.add(obj, name)
+            return
+        oid = id(obj)
+        if oid in self.seen or depth > MAX_DEPTH:
+            return
+        self.visits += 1
+        if self.visits > MAX_VISITS:
+            self.truncated = True
+            return
+        self.seen.add(oid)
+        if isinstance(obj, self.module_type):
+            self._walk_module(obj, name, depth)
+        elif isinstance(obj, self.optim_type):
+            self.optimizers.append((name, obj))
+        elif cls is list or cls is tuple or isinstance(obj, (list, tuple)):
+            if len(obj) > _LARGE and set(map(type, obj)) <= _ATOMIC:
+                return
+            for i, item in enumerate(obj):
+                self.walk(item, f"{name}[{i}]", depth + 1)
+        elif isinstance(obj, dict):
+            if len(obj) > _LARGE and set(map(type, obj.values())) <= _ATOMIC:
+                return
+            for k, v in list(obj.items()):
+                self.walk(v, f"{name}[{_key_text(k)}]", depth + 1)
+        elif isinstance(obj, (set, frozenset)):
+            for item in obj:
+                self.walk(item, f"{name}{{...}}", depth + 1)
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict) and not isinstance(obj, type):
+                for k, v in list(attrs.items()):
+                    self.walk(v, f"{name}.{k}", depth + 1)
+
+    def _walk_module(self, mod, name: str, depth: int) -> None:
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                self.param_names.setdefault(id(p), f"{name}.{pname}")
+                self.add(p, f"{name}.{pname}")
+        for bname, b in mod._buffers.items():
+            if b is not None:
+                self.add(b, f"{name}.{bname}")
+        for mname, sub in mod._modules.items():
+            if sub is not None:
+                self.walk(sub, f"{name}.{mname}", depth + 1)
+        for k, v in list(vars(mod).items()):
+            if k[:1] != "_" and not isinstance(v, self.module_type):
+                self.walk(v, f"{name}.{k}", depth + 1)
+
+    def walk_optimizers(self) -> None:
+        for name, opt in self.optimizers:
+            for i, (param, state) in enumerate(list(opt.state.items())):
+                pname = self.param_names.get(id(param), str(i))
+                if isinstance(state, dict):
+                    for k, v in state.items():
+                        self.walk(v, f"{name}.state[{pname}][{_key_text(k)}]", 1)
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group.get("params", ())):
+                    if id(p) not in self.param_names:
+                        self.add(p, f"{name}.param_groups[{g}]['params'][{j}]")
+
+
+def _key_text(k) -> str:
+    if isinstance(k, (str, int, float, bool)) or k is None:
+        return repr(k)
+    return f"<{type(k).__name__}>"
+
+
+def last_error_traceback():
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    tb = getattr(exc, "__traceback__", None) if exc is not None else None
+    return tb or getattr(sys, "last_traceback", None)
+
+
+def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dict | None = None):
+    """Live storages (largest first) with the names that reach them, and bytes per device.
+
+    Returns (records, bytes_per_device, notes). Without torch imported there are no tensors.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [], {}, []
+    ttypes = tensor_types(torch)
+    tensors = [o for o in gc.get_objects() if type(o) in ttypes]
+    by_id: dict[int, int] = {}
+    records: dict[int, TensorRecord] = {}
+    for t in tensors:
+        try:
+            dev = t.device
+            if dev.type == "meta" or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue   # sparse, nested and other tensors without one plain storage
+        key = storage._cdata
+        by_id[id(t)] = key
+        rec = records.get(key)
+        is_base = t._base is None
+        if rec is None:
+            records[key] = TensorRecord(key, [], tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                        str(dev), int(storage.nbytes()), t.grad_fn is not None, 1)
+        else:
+            rec.views += 1
+            rec.grad_fn = rec.grad_fn or t.grad_fn is not None
+            if is_base:
+                rec.shape = tuple(t.shape)
+    del tensors
+    names: dict[int, list[str]] = {}
+    notes: list[str] = []
+    if records:
+        namer = _Namer(torch, by_id, names)
+        if namespace is not None:
+            for var, value in list(namespace.items()):
+                if var in _SKIP_NAMES or var.startswith("__") or _is_cache_name(var):
+                    continue
+                namer.walk(value, var)
+            namer.walk_optimizers()
+        if out_cache:
+            for n, value in list(out_cache.items()):
+                namer.walk(value, f"Out[{n}]")
+        tb = traceback if traceback is not None else last_error_traceback()
+        while tb is not None:
+            frame = tb.tb_frame
+            if namespace is None or frame.f_globals is not frame.f_locals:
+                for var, value in list(frame.f_locals.items()):
+                    namer.walk(value, f"last error traceback ({var} in {frame.f_code.co_name})")
+            tb = tb.tb_next
+        if namer.truncated:
+            notes.append(f"names: the namespace walk stopped after {MAX_VISITS} objects; some names are missing")
+    per_device: dict[str, int] = {}
+    result = []
+    for key, rec in records.items():
+        rec.names = names.get(key, [])
+        per_device[rec.device] = per_device.get(rec.device, 0) + rec.nbytes
+        result.append(rec)
+    result.sort(key=lambda r: r.nbytes, reverse=True)
+    return result, per_device, notes

@@ -1,0 +1,301 @@
+"""HTML forms of the records: for nbconvert, GitHub's viewer, and the text/html of widget outputs.
+
+Self-contained: inline styles only (no <style> block, no script, nothing fetched), colours that read
+on light and dark themes, every user string escaped. The class names (cuda-magic-bar,
+cuda-magic-part-<part>, ...) are the same as the widget's, so one browser check finds both.
+"""
+from __future__ import annotations
+
+from html import escape
+
+from ..model import PARTS
+from ..units import format_bytes, format_duration
+from .text import (BAR_LABELS, BAR_PARTS, MAX_ADVICE, UNKNOWN, attempt_headers, attempt_rows, bar_segments,
+                   bar_total, guard_title, hidden_tensors, in_use, oom_items, oom_title, peak_words, percentages,
+                   reclaimed_words, shape_text, short_dtype, tensor_name, value_words, watch_line)
+
+COLORS = {
+    "torch_allocated": "#1f5fbf",      # strong blue
+    "torch_cached": "#8db9ec",         # light blue
+    "other_this_process": "#8e5cc4",   # purple
+    "other_processes": "#f28e2b",      # orange
+    "free": "#e4e4e4",                 # light grey
+    UNKNOWN: "#b0b0b0",                # mid grey: the backend does not say
+}
+PEAK_COLOR = "#0b3a80"
+OUTCOME_COLORS = {"ok": "#2e7d32", "oom": "#c62828", "error": "#c62828", "interrupted": "#a15c00"}
+
+BOX = ("font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;font-size:13px;line-height:1.45;"
+       "max-width:860px")
+BAR = ("display:flex;width:100%;height:18px;border:1px solid rgba(128,128,128,.6);border-radius:3px;"
+       "overflow:hidden;box-sizing:border-box;margin:3px 0")
+TABLE = "border-collapse:collapse;margin:4px 0 6px 0;font-size:12.5px"
+TH = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.5);font-weight:600"
+TD = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.18)"
+NUM = ";text-align:right;font-variant-numeric:tabular-nums"
+CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:rgba(128,128,128,.15);"
+        "padding:1px 5px;border-radius:3px")
+MUTED = "opacity:.72"
+
+
+def box(inner: str, cls: str = "") -> str:
+    classes = f"cuda-magic {cls}".strip()
+    return f'<div class="{classes}" style="{BOX}">{inner}</div>'
+
+
+def html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset(), cls: str = "",
+               raw: set[int] = frozenset()) -> str:
+    """A table; cells are escaped here, except those in the `raw` columns (already HTML)."""
+    head = "".join(f'<th style="{TH}{NUM if i in numeric else ""}">{escape(h)}</th>' for i, h in enumerate(headers))
+    body = "".join(
+        "<tr>" + "".join(f'<td style="{TD}{NUM if i in numeric else ""}">{c if i in raw else escape(c)}</td>'
+                         for i, c in enumerate(row)) + "</tr>"
+        for row in rows)
+    cls_attr = f' class="{cls}"' if cls else ""
+    return f'<table{cls_attr} style="{TABLE}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def swatch(part: str) -> str:
+    return (f'<span style="display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;'
+            f'vertical-align:-1px;background:{COLORS[part]};border:1px solid rgba(128,128,128,.5)"></span>')
+
+
+def segment_title(dev, part: str, nbytes: int) -> str:
+    total = bar_total(dev)
+    return f"{BAR_LABELS[part]}: {format_bytes(nbytes)} ({100.0 * nbytes / total:.1f}% of {dev.key})"
+
+
+def bar_html(dev) -> str:
+    """Stacked bar of the capacity; the segments' widths add up to 100%."""
+    segments = bar_segments(dev)
+    if not segments:
+        return ""
+    widths = percentages([b for _, b in segments])
+    divs = "".join(
+        f'<div class="cuda-magic-part-{part}" title="{escape(segment_title(dev, part, b))}" '
+        f'style="width:{w}%;background:{COLORS[part]};height:100%"></div>'
+        for (part, b), w in zip(segments, widths))
+    return f'<div class="cuda-magic-bar" style="{BAR}">{divs}</div>'
+
+
+def legend_html(dev) -> str:
+    shown = dict(bar_segments(dev))
+    total = bar_total(dev)
+    items = []
+    for part in BAR_PARTS:
+        value = shown.get(part) if part in (UNKNOWN, "free") else getattr(dev, part)
+        if part == UNKNOWN and value is None:
+            continue
+        share = f" {100.0 * value / total:.1f}%" if value and total else ""
+        items.append(f'<span style="margin-right:14px;white-space:nowrap">{swatch(part)}{escape(BAR_LABELS[part])} '
+                     f'<b>{format_bytes(value)}</b><span style="{MUTED}">{share}</span></span>')
+    return f'<div class="cuda-magic-legend">{"".join(items)}</div>'
+
+
+def device_html(dev) -> str:
+    cap = format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
+    peak = escape(peak_words(dev.peak, dev.peak_exact))
+    notes = "".join(f'<div style="{MUTED}">note: {escape(n)}</div>' for n in dev.notes)
+    return (f'<div class="cuda-magic-device" style="margin:6px 0 10px 0">'
+            f'<div><b>{escape(dev.key)}</b> {escape(dev.name)} <span style="{MUTED}">· {cap}</span></div>'
+            f'{bar_html(dev)}{legend_html(dev)}<div class="cuda-magic-peak">{peak}</div>{notes}</div>')
+
+
+def tensor_rows(records) -> list[list[str]]:
+    return [[tensor_name(t), shape_text(t.shape), short_dtype(t.dtype), t.device, format_bytes(t.nbytes),
+             "yes" if t.grad_fn else ""] for t in records]
+
+
+def tensors_html(snap) -> str:
+    shown = snap.tensor_list[: snap.top]
+    count, nbytes = hidden_tensors(snap)
+    if not shown:
+        return "<div>No live tensors found.</div>" if count == 0 else ""
+    head = f"<div><b>Top {len(shown)} tensors</b> <span style=\"{MUTED}\">of {len(shown) + count} storages</span></div>"
+    more = f'<div style="{MUTED}">+{count} more ({format_bytes(nbytes)})</div>' if count else ""
+    table = html_table(["names", "shape", "dtype", "device", "size", "grad_fn"], tensor_rows(shown), {4},
+                       cls="cuda-magic-tensors")
+    return head + table + more
+
+
+def processes_html(processes) -> str:
+    if not processes:
+        return "<div>No GPU processes listed.</div>"
+    rows = [[p.device, str(p.pid), p.user or "", p.name or "", format_bytes(p.used),
+             "this process" if p.this_process else ""] for p in processes]
+    return ("<div><b>Processes using the GPUs</b></div>"
+            + html_table(["device", "pid", "user", "name", "memory", ""], rows, {1, 4}, cls="cuda-magic-processes"))
+
+
+def snapshot_html(snap) -> str:
+    notes = "".join(f'<div style="{MUTED}">note: {escape(n)}</div>' for n in snap.notes)
+    devices = "".join(device_html(d) for d in snap.device_list)
+    procs = processes_html(snap.processes) if snap.processes else ""
+    return box(notes + devices + tensors_html(snap) + procs, "cuda-magic-snapshot")
+
+
+def diff_html(d) -> str:
+    seconds = max(0.0, d.after.taken_at - d.before.taken_at)
+    parts = [f"<div><b>Changes since the previous snapshot</b> <span style=\"{MUTED}\">"
+             f"({format_duration(seconds)} ago)</span></div>"]
+    rows = []
+    for delta in d.device_deltas:
+        for part in PARTS:
+            if delta.changes.get(part):
+                rows.append([delta.key, BAR_LABELS[part], format_bytes(delta.changes[part], signed=True)])
+    parts.append(html_table(["device", "part", "change"], rows, {2}) if rows else "<div>No change per device.</div>")
+    for title, records in (("appeared", d.appeared), ("went", d.went)):
+        if records:
+            top = sorted(records, key=lambda t: t.nbytes, reverse=True)
+            parts.append(f"<div><b>Tensors {title}</b>: {len(records)} "
+                         f"({format_bytes(sum(t.nbytes for t in records))})</div>")
+            parts.append(html_table(["names", "shape", "dtype", "device", "size", "grad_fn"],
+                                    tensor_rows(top[:10]), {4}))
+            if len(top) > 10:
+                parts.append(f'<div style="{MUTED}">+{len(top) - 10} more</div>')
+    if not d.appeared and not d.went:
+        parts.append("<div>No tensors appeared or went.</div>")
+    return box("".join(parts), "cuda-magic-diff")
+
+
+# ---- %%oomguard ---------------------------------------------------------------------------------
+
+def level_bar(value: int | None, capacity: int | None, color: str) -> str:
+    """A bar filled to value/capacity: how before, peak and after compare on one device."""
+    if value is None or not capacity:
+        return f'<div class="cuda-magic-bar" style="{BAR};opacity:.4"></div>'
+    filled = min(100.0, round(100.0 * value / capacity, 3))
+    return (f'<div class="cuda-magic-bar" style="{BAR}">'
+            f'<div style="width:{filled}%;background:{color};height:100%"></div>'
+            f'<div style="width:{round(100.0 - filled, 3)}%;background:{COLORS["free"]};height:100%"></div></div>')
+
+
+def guard_devices_html(report) -> str:
+    before = {d.key: d for d in report.before}
+    after = {d.key: d for d in report.after}
+    keys = list(before) + [k for k in after if k not in before]
+    blocks = []
+    for key in keys:
+        b, a = before.get(key), after.get(key)
+        dev = a or b
+        rows = []
+        for label, value, color in (("before", in_use(b) if b else None, COLORS["torch_allocated"]),
+                                    ("peak", report.peaks.get(key), PEAK_COLOR),
+                                    ("after", in_use(a) if a else None, COLORS["torch_allocated"])):
+            rows.append(
+                f'<div style="display:flex;align-items:center;gap:8px">'
+                f'<span style="width:44px">{label}</span>'
+                f'<div style="flex:1">{level_bar(value, dev.capacity, color)}</div>'
+                f'<span style="width:90px;text-align:right;font-variant-numeric:tabular-nums">'
+                f'<b>{format_bytes(value)}</b></span></div>')
+        cap = format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
+        blocks.append(f'<div style="margin:4px 0 8px 0"><div><b>{escape(key)}</b> {escape(dev.name)} '
+                      f'<span style="{MUTED}">· {cap} · in use = PyTorch allocated</span></div>{"".join(rows)}</div>')
+    return "".join(blocks)
+
+
+def attempts_html(attempts, variable: str | None) -> str:
+    if not attempts:
+        return ""
+    rows = attempt_rows(attempts, variable)
+    col = len(rows[0]) - 3                       # the outcome column
+    for row, attempt in zip(rows, attempts):
+        color = OUTCOME_COLORS.get(attempt.outcome, "inherit")
+        row[col] = f'<span style="color:{color};font-weight:600">{escape(row[col])}</span>'
+    table = html_table(attempt_headers(variable), rows, {0, col + 1, col + 2}, cls="cuda-magic-attempts-table",
+                       raw={col})
+    return "<div><b>Attempts</b></div>" + table
+
+
+def diagnosis_html(report) -> str:
+    out = []
+    f = report.failure
+    if f is not None:
+        where = f"line {f.line}" if f.line is not None else "a line not known"
+        inside = f" (inside {escape(f.function)})" if f.function else ""
+        out.append(f"<div>Failed at cell {where}{inside}: <code style=\"{CODE}\">{escape(f.text.strip())}</code></div>")
+    if report.oom is not None:
+        items = oom_items(report.oom)
+        out.append(f"<div><b>{escape(oom_title(report.oom))}</b></div>")
+        if items:
+            out.append(html_table([k for k, _ in items], [[format_bytes(v) for _, v in items]],
+                                  set(range(len(items))), cls="cuda-magic-oom"))
+    diag = report.diagnosis
+    if diag is not None:
+        out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {escape(diag.summary)}</div>')
+        if diag.holders:
+            held = ", ".join(f"<code style=\"{CODE}\">{escape(n)}</code> {format_bytes(b)}" for n, b in diag.holders)
+            out.append(f"<div>Kept alive by names: {held}</div>")
+        if diag.advice:
+            items = "".join(
+                f'<li style="margin:2px 0">{escape(a.text)}'
+                + (f'<br><code style="{CODE}">{escape(a.code)}</code>' if a.code else "") + "</li>"
+                for a in diag.advice[:MAX_ADVICE])
+            out.append(f'<div style="margin-top:4px"><b>Try, most useful first:</b></div>'
+                       f'<ol style="margin:2px 0 4px 0;padding-left:22px">{items}</ol>')
+    return "".join(out)
+
+
+def reclaimed_html(report) -> str:
+    return f'<div style="color:{OUTCOME_COLORS["ok"]};font-weight:600">{escape(reclaimed_words(report))}</div>'
+
+
+def guard_title_html(report) -> str:
+    color = OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome, "inherit")
+    words = value_words(report)
+    limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
+    sub = f'<div>{escape(words)}</div>' if words else ""
+    return f'<div style="font-weight:600;color:{color}">{escape(guard_title(report))}{limit}</div>{sub}'
+
+
+def guard_html(report) -> str:
+    parts = [guard_title_html(report), guard_devices_html(report)]
+    if len(report.attempts) > 1 or (report.attempts and report.variable):
+        parts.append(attempts_html(report.attempts, report.variable))
+    parts.append(diagnosis_html(report))
+    if report.outcome in ("oom", "recovered") or report.reclaimed:
+        parts.append(reclaimed_html(report))
+    parts += [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings]
+    return box("".join(parts), "cuda-magic-guard")
+
+
+# ---- %freecuda and --watch --------------------------------------------------------------------
+
+def release_html(r) -> str:
+    parts = ["<div><b>Dry run:</b> nothing was changed.</div>"] if r.dry_run else []
+    if r.freed:
+        verb = "Would free" if r.dry_run else "Freed"
+        freed = ", ".join(f"<b>{format_bytes(b)}</b> on {escape(k)}" for k, b in r.freed.items())
+        parts.append(f"<div>{verb} {freed}</div>")
+    elif not r.dry_run:
+        parts.append("<div>Freed nothing.</div>")
+    for (done, would), names in ((("Dropped", "Would drop"), r.dropped), (("Deleted", "Would delete"), r.deleted),
+                                 (("Moved to the CPU", "Would move to the CPU"), r.offloaded)):
+        if names:
+            listed = ", ".join(f'<code style="{CODE}">{escape(n)}</code>' for n in names)
+            parts.append(f"<div>{would if r.dry_run else done}: {listed}</div>")
+    if r.still_held:
+        parts.append("<div><b>Still holding device memory</b> (largest first)</div>")
+        parts.append(html_table(["variable", "size"], [[n, format_bytes(b)] for n, b in r.still_held], {1}))
+    parts += [f'<div style="{MUTED}">note: {escape(n)}</div>' for n in r.notes]
+    return box("".join(parts), "cuda-magic-release")
+
+
+def watch_rows(records) -> list[list[str]]:
+    return [[str(r.cell), r.device, format_bytes(r.allocated_delta, signed=True),
+             ("" if r.peak_exact or r.peak is None else "~") + format_bytes(r.peak), format_duration(r.duration)]
+            for r in records]
+
+
+def history_html(records) -> str:
+    if not records:
+        return box("<div>No cells recorded: turn recording on with <code>%gpumem --watch</code>.</div>")
+    table = html_table(["cell", "device", "allocated", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
+    approx = (f'<div style="{MUTED}">~ approximate: the operating system\'s figure</div>'
+              if any(not r.peak_exact for r in records) else "")
+    return box(table + approx, "cuda-magic-watch")
+
+
+def watch_html(record) -> str:
+    """One --watch line, for a single cell."""
+    return box(f'<div style="font-size:12.5px">{escape(watch_line(record))}</div>', "cuda-magic-watch")

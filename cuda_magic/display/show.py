@@ -1,0 +1,183 @@
+"""Showing a record in the best form the frontend can render.
+
+- In a Jupyter kernel with ipywidgets: a widget, whose output bundle also carries text/html and
+  text/plain with the same facts (for nbconvert, GitHub's viewer, frontends without the widget manager).
+- In a kernel without ipywidgets: HTML with a text/plain fallback.
+- Elsewhere (terminal IPython, plain python): plain text, printed.
+
+The environment variable CUDA_MAGIC_DISPLAY=text|html|widget forces a form.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import replace
+
+ENV_VAR = "CUDA_MAGIC_DISPLAY"
+FORMS = ("text", "html", "widget")
+
+
+def current_shell():
+    """The running IPython shell, or None; IPython is not imported if nothing imported it yet."""
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+def have_ipywidgets() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("ipywidgets") is not None
+
+
+def display_form() -> str:
+    """'widget', 'html' or 'text': what show() uses here and now."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced in FORMS:
+        return forced
+    if forced:
+        warnings.warn(f"{ENV_VAR}={forced!r} is not one of text, html, widget: choosing the form automatically",
+                      stacklevel=2)
+    shell = current_shell()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return "text"
+    return "widget" if have_ipywidgets() else "html"
+
+
+def forms_of(obj):
+    """(text, html, widget) builders for a record; widget is None where a record has no widget."""
+    from ..model import CellRecord, DeviceMemory, ProcessMemory, Snapshot, SnapshotDiff
+    from ..report import GuardReport, ReleaseReport
+    from . import html as H
+    from . import text as T
+    from . import widget as W
+
+    if isinstance(obj, Snapshot):
+        return (lambda: T.snapshot_text(obj), lambda: H.snapshot_html(obj), lambda: W.SnapshotWidget(obj))
+    if isinstance(obj, SnapshotDiff):
+        return (lambda: T.diff_text(obj), lambda: H.diff_html(obj), None)
+    if isinstance(obj, GuardReport):
+        return (lambda: T.guard_text(obj), lambda: H.guard_html(obj), lambda: W.GuardWidget(obj))
+    if isinstance(obj, ReleaseReport):
+        return (lambda: T.release_text(obj), lambda: H.release_html(obj), None)
+    if isinstance(obj, CellRecord):
+        return (lambda: T.watch_line(obj), lambda: H.watch_html(obj), lambda: W.WatchWidget([obj]))
+    if isinstance(obj, (list, tuple)) and all(isinstance(o, CellRecord) for o in obj):
+        return (lambda: T.history_text(obj), lambda: H.history_html(obj), lambda: W.WatchWidget(obj))
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, ProcessMemory) for o in obj):
+        return (lambda: T.processes_text(obj), lambda: H.processes_html(obj), None)
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, DeviceMemory) for o in obj):
+        return (lambda: "\n".join(line for d in obj for line in T.device_text(d)),
+                lambda: H.box("".join(H.device_html(d) for d in obj)), lambda: W.MemoryBarsWidget(obj))
+    raise TypeError(f"cuda_magic cannot display a {type(obj).__name__}")
+
+
+def publish(bundle: dict, display_id: bool = False):
+    from IPython.display import display
+
+    return display(bundle, raw=True, display_id=display_id or None)
+
+
+def show(obj, *, quiet: bool = False, form: str | None = None):
+    """Display a record (snapshot, diff, guard or release report, --watch records, processes).
+
+    Returns the widget when one was displayed (to update it later), else None. `quiet` shows nothing.
+    """
+    if quiet:
+        return None
+    text, html, make_widget = forms_of(obj)
+    form = form or display_form()
+    if form == "widget" and make_widget is not None and current_shell() is not None:
+        try:
+            w = make_widget()
+        except ImportError as exc:
+            warnings.warn(f"{exc}; showing HTML instead", stacklevel=2)
+        else:
+            publish(w.bundle())
+            return w
+    if form in ("widget", "html") and current_shell() is not None:
+        publish({"text/html": html(), "text/plain": text()})
+        return None
+    print(text())
+    return None
+
+
+class GuardHandle:
+    """What show_guard returns: shows each attempt as it happens, then the final report."""
+
+    def __init__(self, report, *, quiet: bool = False, form: str | None = None):
+        self.report = report
+        self.quiet = quiet
+        self.form = form or display_form()
+        self.attempts = list(report.attempts)
+        self.widget = None
+        self.display = None
+        if quiet:
+            return
+        if current_shell() is None:
+            self.form = "text"
+        if self.form == "widget":
+            from .widget import GuardWidget
+
+            try:
+                self.widget = GuardWidget(self.running())
+            except ImportError as exc:
+                warnings.warn(f"{exc}; showing HTML instead", stacklevel=3)
+                self.form = "html"
+            else:
+                self.display = publish(self.widget.bundle(), display_id=True)
+        if self.form == "html":
+            self.display = publish(self.html_bundle(self.running()), display_id=True)
+
+    def running(self):
+        return replace(self.report, attempts=list(self.attempts), outcome="running")
+
+    @staticmethod
+    def html_bundle(report) -> dict:
+        from .html import guard_html
+        from .text import guard_text
+
+        return {"text/html": guard_html(report), "text/plain": guard_text(report)}
+
+    def add_attempt(self, attempt) -> None:
+        """One attempt has finished: show it now."""
+        self.attempts.append(attempt)
+        if self.quiet:
+            return
+        if self.form == "widget":
+            self.widget.add_attempt(attempt)        # the live view updates; the fallback forms at finish
+        elif self.form == "html":
+            self.display.update(self.html_bundle(self.running()), raw=True)
+        elif self.report.variable:
+            from .text import attempt_line
+
+            print(attempt_line(attempt, len(self.attempts), self.report.variable), flush=True)
+
+    def finish(self, report) -> None:
+        """The cell is done: show the whole report in place of the running view."""
+        self.report = report
+        self.attempts = list(report.attempts)
+        if self.quiet:
+            return
+        if self.form == "widget":
+            self.widget.update(report)
+            self.display.update(self.widget.bundle(), raw=True)
+        elif self.form == "html":
+            self.display.update(self.html_bundle(report), raw=True)
+        else:
+            from .text import guard_text
+
+            print(guard_text(report), flush=True)
+
+
+def show_guard(report, *, quiet: bool = False, form: str | None = None) -> GuardHandle:
+    """Start showing a guarded cell: `h = show_guard(r); h.add_attempt(a); ...; h.finish(r)`."""
+    return GuardHandle(report, quiet=quiet, form=form)
+
+
+def show_watch(record, *, quiet: bool = False, form: str | None = None):
+    """After a cell under `%gpumem --watch`: one compact line (or a widget row)."""
+    return show(record, quiet=quiet, form=form)

@@ -1,0 +1,220 @@
+"""ipywidgets forms of the records, for notebooks whose frontend renders widgets.
+
+Each class wraps an ipywidgets root (`.widget`; other attributes fall through to it, so `w.model_id`
+and `w._dom_classes` work) and knows its own text and HTML forms, so that a displayed widget also
+carries text/html and text/plain with the same facts. ipywidgets is imported when a widget is built.
+
+CSS classes, a contract with the browser tests: the root has `cuda-magic-widget`; each memory bar
+`cuda-magic-bar`; each of its segments `cuda-magic-part-<part>` (parts from model.PARTS, plus
+`unknown`); the guard's sections `cuda-magic-guard`, `cuda-magic-attempts`, `cuda-magic-diagnosis`,
+`cuda-magic-reclaimed`; the --watch rows `cuda-magic-watch`.
+"""
+from __future__ import annotations
+
+from . import html as H
+from . import text as T
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def ipywidgets():
+    try:
+        import ipywidgets as widgets
+    except ImportError as exc:
+        raise ImportError("cuda_magic's notebook widgets need ipywidgets 8: pip install 'ipywidgets>=8'") from exc
+    return widgets
+
+
+def with_classes(w, *classes: str):
+    for cls in classes:
+        w.add_class(cls)
+    return w
+
+
+class RecordWidget:
+    """Base of the wrappers: the ipywidgets root plus the text and HTML forms of what it shows."""
+
+    widget = None
+
+    def __getattr__(self, name):
+        return getattr(self.widget, name)
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def html(self) -> str:
+        raise NotImplementedError
+
+    def bundle(self) -> dict:
+        """The output bundle: the widget view, and HTML and text for where widgets do not render."""
+        return {
+            WIDGET_MIME: {"model_id": self.widget.model_id, "version_major": 2, "version_minor": 0},
+            "text/html": self.html(),
+            "text/plain": self.text(),
+        }
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        return self.bundle()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+
+def bar_widget(dev):
+    """An HBox of coloured segments whose widths (in %) add up to 100; empty when the capacity is unknown."""
+    widgets = ipywidgets()
+    segments = T.bar_segments(dev)
+    widths = T.percentages([b for _, b in segments])
+    children = []
+    for (part, nbytes), width in zip(segments, widths):
+        title = H.segment_title(dev, part, nbytes)
+        seg = widgets.HTML(
+            value=(f'<div title="{H.escape(title)}" style="width:100%;height:18px;'
+                   f'background:{H.COLORS[part]}"></div>'),
+            tooltip=title,
+            layout=widgets.Layout(width=f"{width}%", height="18px", margin="0", padding="0", min_width="0",
+                                  overflow="hidden", flex="0 0 auto"),
+        )
+        seg.style.background = H.COLORS[part]
+        children.append(with_classes(seg, f"cuda-magic-part-{part}"))
+    bar = widgets.HBox(children, layout=widgets.Layout(
+        width="100%", height="20px", border="1px solid #9e9e9e", margin="3px 0", overflow="hidden"))
+    return with_classes(bar, "cuda-magic-bar")
+
+
+class MemoryBarsWidget(RecordWidget):
+    """One bar per device, its parts adding up to the capacity, with the figures under it."""
+
+    def __init__(self, devices):
+        widgets = ipywidgets()
+        self.widget = with_classes(widgets.VBox(layout=widgets.Layout(max_width="860px")), "cuda-magic-widget")
+        self.update(devices)
+
+    def update(self, devices) -> None:
+        widgets = ipywidgets()
+        self.devices = list(devices)
+        self.bars = []
+        children = []
+        for dev in self.devices:
+            cap = T.format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
+            head = widgets.HTML(f'<b>{H.escape(dev.key)}</b> {H.escape(dev.name)} '
+                                f'<span style="{H.MUTED}">· {cap}</span>')
+            bar = bar_widget(dev)
+            self.bars.append(bar)
+            notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in dev.notes)
+            figures = widgets.HTML(H.legend_html(dev) + f"<div>{H.escape(T.peak_words(dev.peak, dev.peak_exact))}"
+                                   f"</div>{notes}")
+            children.append(with_classes(widgets.VBox([head, bar, figures]), "cuda-magic-device"))
+        self.widget.children = children
+
+    def text(self) -> str:
+        return "\n".join(line for dev in self.devices for line in T.device_text(dev))
+
+    def html(self) -> str:
+        return H.box("".join(H.device_html(d) for d in self.devices))
+
+
+class SnapshotWidget(RecordWidget):
+    """`%gpumem`: the memory bars, then the top tensors (and processes) as a table."""
+
+    def __init__(self, snap):
+        widgets = ipywidgets()
+        self.snapshot = snap
+        self.memory = MemoryBarsWidget(snap.device_list)
+        notes = widgets.HTML("".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in snap.notes))
+        procs = H.processes_html(snap.processes) if snap.processes else ""
+        tables = widgets.HTML(H.tensors_html(snap) + procs)
+        self.memory.widget.remove_class("cuda-magic-widget")
+        self.widget = with_classes(widgets.VBox([notes, self.memory.widget, tables]),
+                                   "cuda-magic-widget", "cuda-magic-snapshot")
+        self.bars = self.memory.bars
+
+    def text(self) -> str:
+        return T.snapshot_text(self.snapshot)
+
+    def html(self) -> str:
+        return H.snapshot_html(self.snapshot)
+
+
+class GuardWidget(RecordWidget):
+    """`%%oomguard`: before / peak / after per device, the attempts as they happen, then the diagnosis."""
+
+    def __init__(self, report):
+        widgets = ipywidgets()
+        self.title = widgets.HTML()
+        self.levels = with_classes(widgets.HTML(), "cuda-magic-guard")
+        self.attempts = with_classes(widgets.HTML(), "cuda-magic-attempts")
+        self.diagnosis = with_classes(widgets.HTML(), "cuda-magic-diagnosis")
+        self.reclaimed = with_classes(widgets.HTML(), "cuda-magic-reclaimed")
+        self.warnings = widgets.HTML()
+        self.widget = with_classes(
+            widgets.VBox([self.title, self.levels, self.attempts, self.diagnosis, self.reclaimed, self.warnings],
+                         layout=widgets.Layout(max_width="860px")),
+            "cuda-magic-widget")
+        self.update(report)
+
+    @staticmethod
+    def _show(w, value: str) -> None:
+        w.value = value
+        w.layout.display = None if value else "none"
+
+    def add_attempt(self, attempt) -> None:
+        """Show one more finished attempt (the report's own list is left alone)."""
+        self.attempt_list.append(attempt)
+        self._show(self.attempts, H.attempts_html(self.attempt_list, self.report.variable))
+
+    def update(self, report) -> None:
+        """Show the report as it now stands (at the start, or once the cell is done)."""
+        self.report = report
+        self.attempt_list = list(report.attempts)
+        self._show(self.title, H.guard_title_html(report))
+        self._show(self.levels, H.guard_devices_html(report))
+        self._show(self.attempts, H.attempts_html(self.attempt_list, report.variable))
+        self._show(self.diagnosis, H.diagnosis_html(report))
+        done = report.outcome in ("oom", "recovered") or bool(report.reclaimed)
+        self._show(self.reclaimed, H.reclaimed_html(report) if done else "")
+        self._show(self.warnings, "".join(f'<div style="color:#a15c00">warning: {H.escape(w)}</div>'
+                                          for w in report.warnings))
+
+    def current(self):
+        """The report with the attempts shown so far."""
+        from dataclasses import replace
+
+        return replace(self.report, attempts=list(self.attempt_list))
+
+    def text(self) -> str:
+        return T.guard_text(self.current())
+
+    def html(self) -> str:
+        return H.guard_html(self.current())
+
+
+class WatchWidget(RecordWidget):
+    """`%gpumem --watch` / `--history`: one row per cell."""
+
+    def __init__(self, records=()):
+        widgets = ipywidgets()
+        self.records = list(records)
+        self.table = widgets.HTML()
+        self.widget = with_classes(widgets.VBox([self.table]), "cuda-magic-widget", "cuda-magic-watch")
+        self._render()
+
+    def add(self, record) -> None:
+        self.records.append(record)
+        self._render()
+
+    def _render(self) -> None:
+        if len(self.records) == 1:
+            self.table.value = (f'<div style="font-size:12.5px;{H.MUTED}">'
+                                f'{H.escape(T.watch_line(self.records[0]))}</div>')
+            return
+        rows = H.watch_rows(self.records)
+        self.table.value = H.html_table(["cell", "device", "allocated", "peak", "duration"], rows, {0, 2, 3, 4})
+
+    def text(self) -> str:
+        if len(self.records) == 1:
+            return T.watch_line(self.records[0])
+        return T.history_text(self.records)
+
+    def html(self) -> str:
+        return H.history_html(self.records)

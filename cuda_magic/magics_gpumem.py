@@ -1,0 +1,126 @@
+"""`%gpumem`: where GPU memory is. A thin layer over snapshot, watch and the simulated device."""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .cli import parse_args, parse_count, parse_device, parse_size_arg
+from .state import get_state
+
+
+@magics_class
+class GpumemMagics(Magics):
+    @magic_arguments()
+    @argument("-n", dest="top", default="10", metavar="N", help="how many of the largest tensors to list (default 10)")
+    @argument("-d", "--device", default=None, metavar="DEVICE", help="only this device: 0, 1, cuda:1, sim, cpu")
+    @argument("--processes", action="store_true", help="the processes using each GPU (pid, user, name, memory)")
+    @argument("--diff", action="store_true", help="what changed since the previous %%gpumem")
+    @argument("--watch", action="store_true", help="after every cell, one line: its change in allocated memory, exact peak, duration")
+    @argument("--unwatch", action="store_true", help="stop --watch")
+    @argument("--history", action="store_true", help="the per-cell records of --watch as a table")
+    @argument("--simulate", default=None, metavar="SIZE|off", help="a simulated device of that capacity for the rest of the session, or off")
+    @argument("-o", dest="output", action="store_true", help="return the snapshot object")
+    @argument("-q", dest="quiet", action="store_true", help="display nothing")
+    @line_magic
+    def gpumem(self, line=""):
+        """Show where GPU memory is: each device's capacity split into parts, then the largest tensors."""
+        args = parse_args(self.gpumem, line)
+        top = parse_count(args.top)
+        if args.watch and args.unwatch:
+            raise UsageError("--watch and --unwatch contradict each other: give one")
+        simulate = None
+        if args.simulate is not None:
+            if args.simulate.strip().lower() != "off":
+                simulate = parse_size_arg(args.simulate, "--simulate", allow_fraction=False)
+        state = get_state(self.shell, create=True)
+        from .display.show import show
+
+        if args.simulate is not None:
+            self._simulate(simulate, args.quiet)
+        if args.watch or args.unwatch:
+            return self._watch(state, args.watch, args.quiet)
+        if args.history:
+            return self._history(state, args)
+
+        from .model import diff
+        from .snapshot import snapshot
+
+        snap = snapshot(self.shell, top=top)
+        if args.device is not None:
+            key = parse_device(args.device, [d.key for d in snap.device_list])
+            snap.device_list = [d for d in snap.device_list if d.key == key]
+            snap.processes = [p for p in snap.processes if p.device == key]
+            snap.tensor_list = [t for t in snap.tensor_list if _on(t.device, key)]
+        snap.show_processes = args.processes
+        previous, state.last_snapshot = state.last_snapshot, snap
+        if args.diff:
+            if previous is None:
+                snap.notes.insert(0, "--diff: no earlier %gpumem to compare with; this one is the baseline")
+            else:
+                change = diff(previous, snap)
+                if not args.quiet:
+                    show(change)
+                return change if args.output else None
+        if not args.quiet:
+            show(snap)
+        return snap if args.output else None
+
+    def _simulate(self, capacity, quiet: bool) -> None:
+        from .simulated import start_session, stop_session
+        from .units import format_bytes
+
+        if capacity is None:
+            was_on = stop_session()
+            if not quiet:
+                print("Simulated device off." if was_on else "No simulated device was on.")
+            return
+        start_session(capacity)
+        if not quiet:
+            print(f"Simulated device on: a {format_bytes(capacity)} GPU. Tensors created from now on in "
+                  "this thread count against it; `%gpumem --simulate off` ends it.")
+
+    def _watch(self, state, on: bool, quiet: bool):
+        from .display.show import show_watch
+        from .watch import CellWatcher
+
+        if on:
+            if state.watcher is None:
+                state.watcher = CellWatcher(self.shell, on_record=show_watch)
+                state.watcher.records = state.history
+            state.watcher.start()
+            if not quiet:
+                print("Watching: after every cell, its change in allocated memory, exact peak and duration. "
+                      "`%gpumem --unwatch` stops.")
+        else:
+            was_on = state.watcher is not None and state.watcher.active
+            if state.watcher is not None:
+                state.watcher.stop()
+            if not quiet:
+                print("Stopped watching." if was_on else "--watch was not on.")
+        return None
+
+    def _history(self, state, args):
+        import pandas as pd
+
+        frame = pd.DataFrame([r.as_row() for r in state.history]) if state.history else \
+            pd.DataFrame(columns=["cell", "device", "allocated_delta", "peak", "peak_exact", "duration"])
+        if args.output:
+            return frame
+        if not args.quiet:
+            from .display.show import show
+
+            if state.history:
+                show(list(state.history))
+            else:
+                print("No cells recorded yet: `%gpumem --watch` records every cell from then on.")
+        return None
+
+
+def _on(tensor_device: str, key: str) -> bool:
+    if key.startswith("sim:"):
+        return tensor_device == "cpu"
+    if key in ("cpu", "mps"):
+        return tensor_device.split(":")[0] == key
+    kind, _, index = key.partition(":")
+    return tensor_device == key or (tensor_device == kind and index == "0")

@@ -1,0 +1,213 @@
+"""`%%oomguard` (run a cell that may run out of memory) and `%oomguard on|off` (guard every cell).
+
+A thin layer: options are checked here, before anything changes; the work is in guard.py."""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .cli import parse_args, parse_count, parse_size_arg
+
+
+@magics_class
+class GuardMagics(Magics):
+    @magic_arguments()
+    @argument("-r", dest="retry", default=None, metavar="VAR", help="on OOM, halve the integer VAR and run the cell again")
+    @argument("--min", dest="floor", default=None, metavar="N", help="with -r: never go below N (default 1)")
+    @argument("--search", action="store_true", help="with -r: once a value fits, settle on the largest value that fits")
+    @argument("-a", dest="accumulate", default=None, metavar="VAR2", help="with -r: scale VAR2 so that VAR x VAR2 (the effective batch) stays at least what it was")
+    @argument("--amp", choices=("bf16", "fp16"), default=None, help="run the cell under torch.autocast")
+    @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
+    @argument("-d", dest="device", default=None, metavar="DEVICE", help="the device to measure and cap (0, cuda:1)")
+    @argument("--no-raise", dest="no_raise", action="store_true", help="after an OOM, return instead of raising")
+    @argument("-q", dest="quiet", action="store_true", help="show only the OOM report, nothing for a cell that ran")
+    @argument("-o", dest="output", action="store_true", help="return the report object")
+    @argument("switch", nargs="?", default=None, help="line magic only: on, off, or nothing to say which is active")
+    @line_cell_magic
+    def oomguard(self, line="", cell=None):
+        """Run a cell that may run out of memory: clean up and explain an OOM, optionally retry smaller.
+
+        As a line magic: `%oomguard on` guards every cell, `%oomguard off` stops that."""
+        __tracebackhide__ = True  # noqa: F841
+        if cell is None:
+            return self._switch(line)
+        args = parse_args(self.oomguard, line)
+        if args.switch is not None:
+            raise UsageError(f"%%oomguard takes options only, not {args.switch!r}; `%oomguard on|off` is the line magic")
+        return self._guard_cell(args, cell)
+
+    # %oomguard on|off ------------------------------------------------------------------------------
+    def _switch(self, line: str):
+        from .guard_all import GuardAll
+        from .state import get_state
+
+        word = line.strip().lower()
+        state = get_state(self.shell, create=True)
+        active = state.guard_all is not None and state.guard_all.active
+        if word == "":
+            print("%oomguard is on: an out-of-memory error in any cell is cleaned up and explained."
+                  if active else "%oomguard is off (`%oomguard on` guards every cell).")
+            return None
+        if word not in ("on", "off"):
+            raise UsageError(f"%oomguard takes on or off, not {line.strip()!r} (use %%oomguard for one cell)")
+        if word == "on":
+            if not active:
+                state.guard_all = GuardAll(self.shell)
+                state.guard_all.start()
+            print("%oomguard on: an out-of-memory error in any cell is now cleaned up and explained.")
+        else:
+            if active:
+                state.guard_all.stop()
+            state.guard_all = None
+            print("%oomguard off: IPython's usual error handling is back." if active else "%oomguard was not on.")
+        return None
+
+    # %%oomguard ----------------------------------------------------------------------------------
+    def _guard_cell(self, args, cell: str):
+        __tracebackhide__ = True  # noqa: F841
+        from .guard import GuardEngine, short_oom_error
+        from .meter import choose_meter
+        from .report import GuardReport
+        from .runner import CompiledCell
+
+        ns = self.shell.user_ns
+        variable, accumulate, floor = self._retry_options(args, ns)
+        meter, limit = self._meter(args)
+        try:
+            compiled = CompiledCell(self.shell, cell)
+        except SyntaxError:
+            self.shell.showsyntaxerror()
+            return None
+        from .backends import read_devices
+        from .display.show import show_guard
+
+        report = GuardReport(device=meter.key, variable=variable, accumulate=accumulate, limit=limit)
+        report.before = _devices(read_devices, meter)
+        handle = show_guard(report, quiet=args.quiet)
+        engine = GuardEngine(meter, limit=limit, amp=args.amp, variable=variable, accumulate=accumulate,
+                             floor=floor, search=args.search, get_value=ns.__getitem__,
+                             set_value=ns.__setitem__, shell=self.shell, filename=compiled.filename,
+                             lines=compiled.lines, on_attempt=handle.add_attempt, namespace=ns)
+        try:
+            _, passthrough = engine.run(compiled, report)
+        except KeyboardInterrupt:
+            _finish(report, meter, read_devices)
+            handle.finish(report)
+            raise
+        del compiled
+        _finish(report, meter, read_devices)
+        if report.oom is not None:
+            report.diagnosis = _diagnose(self.shell, report, args, meter)
+        if not args.quiet:
+            handle.finish(report)
+        elif report.outcome == "oom":
+            _show_final(report)
+        if passthrough is not None:
+            del report, engine, handle
+            raise passthrough
+        if report.outcome == "oom" and not args.no_raise:
+            error = short_oom_error(report)
+            del report, engine, handle
+            raise error
+        return report if args.output else None
+
+    def _retry_options(self, args, ns):
+        floor = 1
+        if args.floor is not None:
+            if args.retry is None:
+                raise UsageError("--min needs -r VAR: it is the floor of the retried variable")
+            floor = parse_count(args.floor, "--min")
+            if floor < 1:
+                raise UsageError("--min must be at least 1")
+        if args.search and args.retry is None:
+            raise UsageError("--search needs -r VAR: it searches values of the retried variable")
+        if args.accumulate is not None and args.retry is None:
+            raise UsageError("-a VAR2 needs -r VAR: VAR2 is scaled as VAR is reduced")
+        if args.retry is None:
+            return None, None, floor
+        variable = _positive_int_variable(ns, args.retry, "-r")
+        accumulate = None
+        if args.accumulate is not None:
+            accumulate = _positive_int_variable(ns, args.accumulate, "-a")
+            if accumulate == variable:
+                raise UsageError("-a must name another variable than -r")
+        if ns[variable] < floor:
+            raise UsageError(f"{variable} is {ns[variable]}, already below --min {floor}")
+        return variable, accumulate, floor
+
+    def _meter(self, args):
+        from .meter import choose_meter
+
+        device = None
+        if args.device is not None:
+            device = _check_device(args.device)
+
+        def parse_limit(text, capacity):
+            return parse_size_arg(text, "-l", capacity)
+
+        if args.limit is not None:
+            parse_size_arg(args.limit, "-l", 1)   # reject bad text before anything else happens
+        return choose_meter(device, args.limit, parse_limit)
+
+
+def _positive_int_variable(ns, name: str, flag: str) -> str:
+    if not name.isidentifier():
+        raise UsageError(f"{flag} takes a variable name, not {name!r}")
+    if name not in ns:
+        raise UsageError(f"{flag} {name}: no variable {name!r} in the namespace; set it first (e.g. {name} = 64)")
+    value = ns[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{flag} {name}: {name} must hold a positive int, not {value!r}")
+    return name
+
+
+def _check_device(text: str) -> str:
+    from .backends import read_devices
+    from .cli import parse_device
+
+    keys = [d.key for d in read_devices().devices]
+    return parse_device(text, keys)
+
+
+def _devices(read_devices, meter):
+    devices = read_devices().devices
+    mine = [d for d in devices if d.key == meter.key]
+    if not mine and meter.key.startswith("sim"):
+        mine = [meter.device.memory()]
+    for dev in mine:
+        if dev.kind == "cpu":
+            # no census here: the process's resident memory is the figure, PyTorch's share unknown
+            dev.other_this_process = (dev.torch_allocated or 0) + (dev.other_this_process or 0)
+            dev.torch_allocated = None
+    return mine or devices[:1]
+
+
+def _finish(report, meter, read_devices) -> None:
+    report.after = _devices(read_devices, meter)
+    peaks = [a.peak for a in report.attempts if a.peak is not None]
+    report.peaks[meter.key] = max(peaks) if peaks else None
+
+
+def _show_final(report) -> None:
+    from .display.show import show_guard
+
+    show_guard(report).finish(report)
+
+
+def _diagnose(shell, report, args, meter):
+    from .allocator_conf import current_allocator_conf
+    from .explain import diagnose
+    from .release import device_holders
+    from .report import OomFields
+
+    holders = device_holders(shell)
+    fields = report.oom or OomFields()
+    capacity = None
+    try:
+        capacity = meter.capacity()
+    except Exception:
+        pass
+    return diagnose(fields, holders=holders, amp=args.amp is not None, device_capacity=capacity,
+                    peak=report.peaks.get(meter.key), alloc_conf=current_allocator_conf(),
+                    limit=report.limit, batch_var=report.variable, accum_var=report.accumulate)

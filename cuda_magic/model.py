@@ -1,0 +1,199 @@
+"""The memory model: plain records of devices and tensors, a snapshot, and the diff of two snapshots.
+
+Nothing here holds a tensor or imports torch; every size is an int in bytes. pandas is imported only
+when a table is asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+#: The parts a device's capacity is split into, in display order. They add up to the capacity.
+PARTS = ("torch_allocated", "torch_cached", "other_this_process", "other_processes", "free")
+PART_LABELS = {
+    "torch_allocated": "PyTorch allocated",
+    "torch_cached": "PyTorch cached",
+    "other_this_process": "other (this process)",
+    "other_processes": "other processes",
+    "free": "free",
+}
+
+
+@dataclass
+class DeviceMemory:
+    """One device's memory at one moment. All sizes in bytes; None where unknown."""
+
+    key: str                      # 'cuda:0', 'mps', 'cpu', 'sim:0'
+    name: str                     # 'NVIDIA H200', 'simulated GPU', 'CPU (no GPU)'
+    kind: str                     # 'cuda', 'mps', 'cpu', 'simulated'
+    capacity: int | None
+    torch_allocated: int | None = 0
+    torch_cached: int | None = 0
+    other_this_process: int | None = 0
+    other_processes: int | None = 0
+    free: int | None = None
+    peak: int | None = None       # peak of torch_allocated since the last reset
+    peak_exact: bool = True       # False: the operating system's figure, not the allocator's
+    notes: list[str] = field(default_factory=list)
+
+    def parts(self) -> dict[str, int | None]:
+        return {p: getattr(self, p) for p in PARTS}
+
+    def as_row(self) -> dict:
+        row = {"device": self.key, "name": self.name, "kind": self.kind, "capacity": self.capacity}
+        row.update(self.parts())
+        row["peak"] = self.peak
+        row["peak_exact"] = self.peak_exact
+        return row
+
+
+@dataclass
+class ProcessMemory:
+    """A process using a GPU (from NVML), as `nvidia-smi --query-compute-apps` lists it."""
+
+    device: str
+    pid: int
+    used: int | None              # bytes; None where the driver does not say (some containers)
+    name: str = ""
+    user: str = ""
+    this_process: bool = False
+
+
+@dataclass
+class TensorRecord:
+    """One live storage: counted once however many tensors view it. Holds no reference to it."""
+
+    storage_id: int               # stable while the storage lives (the StorageImpl pointer)
+    names: list[str]
+    shape: tuple
+    dtype: str
+    device: str
+    nbytes: int                   # the storage's bytes
+    grad_fn: bool                 # whether a tensor on it carries an autograd graph
+    views: int = 1                # how many live tensors were found on this storage
+
+    def as_row(self) -> dict:
+        return {
+            "names": ", ".join(self.names) if self.names else "(unnamed)",
+            "shape": tuple(self.shape), "dtype": self.dtype, "device": self.device,
+            "bytes": self.nbytes, "grad_fn": self.grad_fn, "views": self.views,
+        }
+
+
+TENSOR_COLUMNS = ("names", "shape", "dtype", "device", "bytes", "grad_fn", "views")
+DEVICE_COLUMNS = ("device", "name", "kind", "capacity", *PARTS, "peak", "peak_exact")
+
+
+@dataclass
+class Snapshot:
+    """Where memory was at one moment. `.devices` and `.tensors` are pandas DataFrames."""
+
+    device_list: list[DeviceMemory]
+    tensor_list: list[TensorRecord]          # largest first
+    processes: list[ProcessMemory] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    taken_at: float = field(default_factory=time.time)
+    tensor_count: int = 0                    # distinct storages found (tensor_list may be cut to top N)
+    tensor_bytes: dict[str, int] = field(default_factory=dict)  # per device key, all storages found
+    top: int = 10                            # how many of tensor_list to display
+
+    @property
+    def devices(self):
+        import pandas as pd
+
+        return pd.DataFrame([d.as_row() for d in self.device_list], columns=list(DEVICE_COLUMNS))
+
+    @property
+    def tensors(self):
+        import pandas as pd
+
+        return pd.DataFrame([t.as_row() for t in self.tensor_list], columns=list(TENSOR_COLUMNS))
+
+    def device(self, key: str) -> DeviceMemory | None:
+        for d in self.device_list:
+            if d.key == key:
+                return d
+        return None
+
+    def __repr__(self) -> str:
+        from .display.text import snapshot_text
+
+        return snapshot_text(self)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        from .display.html import snapshot_html
+
+        return snapshot_html(self)
+
+
+@dataclass
+class DeviceDelta:
+    key: str
+    changes: dict[str, int]                  # part -> bytes after minus before (None parts skipped)
+
+
+@dataclass
+class SnapshotDiff:
+    """What changed between two snapshots."""
+
+    before: Snapshot
+    after: Snapshot
+    device_deltas: list[DeviceDelta]
+    appeared: list[TensorRecord]
+    went: list[TensorRecord]
+
+    def __repr__(self) -> str:
+        from .display.text import diff_text
+
+        return diff_text(self)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        from .display.html import diff_html
+
+        return diff_html(self)
+
+
+def diff(before: Snapshot, after: Snapshot) -> SnapshotDiff:
+    deltas = []
+    for dev in after.device_list:
+        old = before.device(dev.key)
+        if old is None:
+            continue
+        changes = {}
+        for part in PARTS:
+            a, b = getattr(old, part), getattr(dev, part)
+            if a is not None and b is not None:
+                changes[part] = b - a
+        deltas.append(DeviceDelta(dev.key, changes))
+    old_ids = {t.storage_id: t for t in before.tensor_list}
+    new_ids = {t.storage_id: t for t in after.tensor_list}
+    appeared = [t for k, t in new_ids.items() if k not in old_ids]
+    went = [t for k, t in old_ids.items() if k not in new_ids]
+    return SnapshotDiff(before, after, deltas, appeared, went)
+
+
+def replace(obj, **changes):
+    return dataclasses.replace(obj, **changes)
+
+
+@dataclass
+class CellRecord:
+    """One cell seen by `%gpumem --watch`: its change in allocated bytes, exact peak and duration."""
+
+    cell: int                                # the execution count
+    allocated_delta: int                     # allocated bytes after the cell minus before
+    peak: int | None                         # peak allocated bytes during the cell
+    peak_exact: bool                         # False: the operating system's figure
+    duration: float                          # seconds
+    device: str                              # device key the figures are for
+
+    def as_row(self) -> dict:
+        return {"cell": self.cell, "device": self.device, "allocated_delta": self.allocated_delta,
+                "peak": self.peak, "peak_exact": self.peak_exact, "duration": self.duration}

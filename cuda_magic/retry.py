@@ -1,0 +1,252 @@
+"""The batch-size retry policy of `%%oomguard -r VAR [--min N] [--search] [-a VAR2]`.
+
+Pure logic: no IPython, no torch. The guard drives a `BatchSearch`: it asks for a value, runs the cell
+with it, records what the run measured, and asks again until the policy says it is done.
+
+Re-running a cell is expensive (it may be a whole epoch), so `--search` does not walk. Each attempt
+measures something: a run that fitted gives its exact peak above the baseline (the memory allocated
+before the cell); a run that ran out of memory gives a lower bound on the peak it needed (what was
+allocated when it failed plus the allocation that failed). With the capacity, and memory growing about
+linearly with the value, these predict the largest value that fits:
+
+- nothing fitted yet: a failure at v that needed at least N of the C - B available bounds the maximum by
+  v * (C - B) / N; the next value is a quarter of that bound (plain halving when nothing was measured),
+  low enough to fit even when the failing allocation came early in the cell, so that its peak is measured;
+- one value fitted: its peak per unit predicts the maximum; the fixed part of the cell counted as per-unit
+  memory makes this prediction fall short, never over, so it fits and gives a second exact point;
+- two values fitted: their peaks give slope and fixed part, and the fitted maximum less a small margin.
+
+A prediction that fails bounds the maximum from above (the line through the best peak and the failure's
+lower bound); bisection is the last resort. Values tried are never at or above the smallest value that
+failed, never below the floor, never repeated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import format_bytes
+
+GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
+MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit
+DESCENT = 0.25       # nothing fitted yet: try this fraction of the largest value a failure leaves possible
+MAX_ATTEMPTS = 8     # attempts in all, once something has fitted (going down never stops before the floor)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One recorded attempt; sizes are int bytes, None where not measured."""
+
+    value: int
+    ok: bool
+    reason: str                           # why this value was tried
+    peak: int | None = None               # exact peak of allocated bytes during a run that fitted
+    requested: int | None = None          # the allocation that failed
+    baseline: int | None = None           # allocated before the cell ran
+    allocated_at_failure: int | None = None
+    capacity: int | None = None           # what the run could allocate in all, as known after it
+
+    @property
+    def own_peak(self) -> int | None:
+        """The cell's own peak (above the baseline) of a run that fitted."""
+        if not self.ok or self.peak is None:
+            return None
+        return self.peak - (self.baseline or 0)
+
+    @property
+    def needed_at_least(self) -> int | None:
+        """A lower bound of the cell's own peak for a run that failed: allocated then + requested."""
+        if self.ok or self.requested is None:
+            return None
+        allocated = self.allocated_at_failure if self.allocated_at_failure is not None else self.baseline
+        return self.requested + max(0, (allocated or 0) - (self.baseline or 0))
+
+
+def scale_accumulation(original_value: int, original_accum: int, new_value: int) -> int:
+    """The smallest accumulation count `a` with new_value * a >= original_value * original_accum."""
+    if new_value < 1 or original_value < 1 or original_accum < 1:
+        raise ValueError("values and accumulation steps must be positive integers")
+    return max(1, -(-(original_value * original_accum) // new_value))
+
+
+class BatchSearch:
+    """Which value to try next after an out-of-memory error, and when to stop.
+
+    `first()` gives the start, `record(...)` what its run did, `next()` the following value or None.
+    `best` is the largest value that ran, `exhausted` says that nothing fitted down to the floor.
+    """
+
+    def __init__(self, start: int, floor: int = 1, search: bool = False, capacity: int | None = None,
+                 *, max_attempts: int = MAX_ATTEMPTS, goal: float = GOAL, margin: float = MARGIN,
+                 descent: float = DESCENT):
+        for name, number in (("start", start), ("floor", floor)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ValueError(f"{name} must be a positive integer, not {number!r}")
+        if start < floor:
+            raise ValueError(f"the value {start} is below the floor {floor}")
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be positive bytes, not {capacity!r}")
+        self.start, self.floor, self.search = start, floor, search
+        self.capacity = capacity
+        self.max_attempts, self.goal, self.margin, self.descent = max_attempts, goal, margin, descent
+        self.history: list[Measured] = []
+        self.reason = ""
+        self.stop_reason = ""
+        self._pending: int | None = None
+        self._done = False
+
+    # the loop the guard drives -------------------------------------------------------------------
+    def first(self) -> int:
+        if self.history or self._pending is not None:
+            raise RuntimeError("first() starts the search and can be called once")
+        return self._propose(self.start, "your value")
+
+    def record(self, value: int, ok: bool, peak: int | None = None, requested: int | None = None,
+               baseline: int | None = None, allocated_at_failure: int | None = None,
+               capacity: int | None = None) -> None:
+        """What the run with `value` did; `capacity` updates the known capacity (e.g. from the message)."""
+        if value != self._pending:
+            raise ValueError(f"record() got {value}, but the value to run was {self._pending}")
+        if capacity is not None and capacity > 0:
+            self.capacity = capacity
+        reason, self._pending = self.reason, None
+        self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
+                                     allocated_at_failure, self.capacity))
+
+    def next(self) -> int | None:
+        if self._pending is not None:
+            raise RuntimeError(f"record() the run with {self._pending} first")
+        if self._done or not self.history:
+            return None
+        value, reason = self._choose()
+        if value is None:
+            self._done, self.stop_reason, self.reason = True, reason, ""
+            return None
+        return self._propose(value, reason)
+
+    # results -----------------------------------------------------------------------------------
+    @property
+    def attempts(self) -> list[tuple[int, bool, int | None, int | None]]:
+        return [(m.value, m.ok, m.peak, m.requested) for m in self.history]
+
+    @property
+    def best(self) -> int | None:
+        fitted = [m.value for m in self.history if m.ok]
+        return max(fitted) if fitted else None
+
+    @property
+    def smallest_failed(self) -> int | None:
+        failed = [m.value for m in self.history if not m.ok]
+        return min(failed) if failed else None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def exhausted(self) -> bool:
+        return self._done and self.best is None
+
+    def __repr__(self) -> str:
+        tried = ", ".join(f"{v}:{'ok' if ok else 'oom'}" for v, ok, _, _ in self.attempts)
+        return f"BatchSearch(start={self.start}, floor={self.floor}, search={self.search}, tried=[{tried}])"
+
+    # choosing ----------------------------------------------------------------------------------
+    def _propose(self, value: int, reason: str) -> int:
+        self._pending, self.reason = value, reason
+        return value
+
+    def _choose(self) -> tuple[int | None, str]:
+        best, hi = self.best, self.smallest_failed
+        if best is None:
+            return self._go_down(hi)
+        if not self.search:
+            return None, f"{best} fits"
+        if best == self.start or hi is None:
+            return None, f"{best} fits (the value given is not searched above)"
+        if len(self.history) >= self.max_attempts:
+            return None, f"stopped after {len(self.history)} attempts"
+        if hi - best <= 1:
+            return None, f"{best} is the largest value that fits ({hi} ran out of memory)"
+        return self._go_up(best, hi)
+
+    def _go_down(self, hi: int) -> tuple[int | None, str]:
+        if hi <= self.floor:
+            return None, f"the floor {self.floor} ran out of memory"
+        bound, why = hi, ""
+        if self.search:
+            for m in self.history:
+                limit = self._failure_bound(m)
+                if limit is not None and limit < bound:
+                    bound = limit
+                    why = (f"{self.descent:.0%} of {limit}, the most that the failure at {m.value} leaves possible "
+                           f"(it needed at least {format_bytes(m.needed_at_least)})")
+        value = int(bound * self.descent) if bound < hi else hi // 2
+        if value < self.floor:
+            return self.floor, f"the floor {self.floor} (--min)"
+        return value, why or f"halved from {hi}"
+
+    def _go_up(self, best: int, hi: int) -> tuple[int | None, str]:
+        available = self._available()
+        fitted = [m for m in self.history if m.own_peak is not None]
+        bound, predicted, how, fitted_line = hi - 1, None, "", False
+        if available is not None and fitted:
+            top = max(fitted, key=lambda m: m.value)
+            for m in self.history:
+                limit = self._secant_bound(top, m, available)
+                if limit is not None and limit < bound:
+                    bound = limit
+            # the partner is the nearest smaller value whose peak differs (rounding makes plateaus)
+            lower = [m for m in fitted if m.value < top.value and m.own_peak < top.own_peak]
+            slope = None
+            if lower:
+                low = max(lower, key=lambda m: m.value)
+                slope = (top.own_peak - low.own_peak) / (top.value - low.value)
+                how, fitted_line = f"fitted to the peaks at {low.value} and {top.value}", True
+            elif top.own_peak > 0:
+                # counting the cell's fixed part as per-unit memory: this falls short, never over
+                slope = top.own_peak / top.value
+                how = f"predicted from the peak at {top.value} ({format_bytes(top.own_peak)})"
+            if slope:
+                predicted = top.value + (available - top.own_peak) / slope
+        if best >= self.goal * bound:
+            return None, f"{best} is within {1 - self.goal:.0%} of the largest value that can fit"
+        if fitted_line and best >= (1 - 1.5 * self.margin) * predicted:
+            return None, f"{best} is within {1.5 * self.margin:.1%} of the predicted largest value {int(predicted)}"
+        if predicted is not None:
+            value = min(int(min(predicted, bound + 1) * (1 - self.margin)), hi - 1)
+            if value > best:
+                return value, f"{how}, less {self.margin:.1%}"
+            value = min(int(predicted), hi - 1)
+            if value > best:  # the margin would undo the step; the prediction itself is worth a try
+                return value, how
+        value = (best + hi) // 2
+        return value, f"bisecting between {best} (fits) and {hi} (out of memory)"
+
+    # measurements --------------------------------------------------------------------------------
+    def _available(self) -> int | None:
+        """Bytes the cell may take: capacity less the latest baseline, lowered by what failed below it."""
+        if self.capacity is None:
+            return None
+        latest = self.history[-1].baseline or 0
+        available = self.capacity - latest
+        for m in self.history:
+            if m.needed_at_least is not None and m.allocated_at_failure is not None:
+                # the allocation failed, so at that moment the cell could not hold what it needed
+                available = min(available, m.needed_at_least - 1 + (m.baseline or 0) - latest)
+        return available if available > 0 else None
+
+    def _failure_bound(self, m: Measured) -> int | None:
+        """With memory at least proportional to the value: a failure at v needing N bounds the maximum."""
+        needed, available = m.needed_at_least, self._available()
+        if needed is None or available is None or needed <= 0:
+            return None
+        return int(m.value * available / needed)
+
+    @staticmethod
+    def _secant_bound(top: Measured, m: Measured, available: int) -> int | None:
+        """The line through the best peak and a larger failure's lower bound crosses `available` at or
+        after the largest value that fits."""
+        needed = m.needed_at_least
+        if needed is None or m.value <= top.value or needed <= top.own_peak:
+            return None
+        return top.value + int((available - top.own_peak) * (m.value - top.value) / (needed - top.own_peak))

@@ -1,0 +1,265 @@
+"""The simulated device: a CPU stand-in for a GPU of a chosen size.
+
+While active, every tensor storage created in this thread counts against the device's capacity (views
+once, keyed by storage), freeing it gives the bytes back at once (a finalizer on the storage, no gc
+needed), and an allocation past the capacity raises `torch.OutOfMemoryError` with a CUDA-style message
+before the memory is really taken: each op's output sizes are first computed on the meta device.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+
+from .model import DeviceMemory
+
+_session: SimulatedDevice | None = None   # the device `%gpumem --simulate` turned on, if any
+_mode_class = None
+
+
+def torch_size_text(n: int) -> str:
+    """Sizes the way torch's allocator writes them in its messages ('20.00 MiB', '512 bytes')."""
+    if n <= 1024:
+        return f"{n} bytes"
+    for unit, scale in (("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3)):
+        if n <= scale * 1024 or unit == "GiB":
+            return f"{n / scale:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _get_mode_class():
+    """The TorchDispatchMode subclass, built on first use so that importing this module stays cheap."""
+    global _mode_class
+    if _mode_class is not None:
+        return _mode_class
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    meta = torch.device("meta")
+    lift_fresh = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(meta) if x.device.type != "meta" else x
+        if isinstance(x, torch.device):
+            return meta
+        return x
+
+    class SimulatedMemoryMode(TorchDispatchMode):
+        def __init__(self, device: SimulatedDevice):
+            super().__init__()
+            self.device = device
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            schema = func._schema
+            fresh = [r.alias_info is None for r in schema.returns]
+            if any(fresh):
+                needed = self._predict(func, schema, fresh, args, kwargs)
+                if needed is not None:
+                    self.device._check(needed)
+            out = func(*args, **kwargs)
+            self.device._track_outputs(out, fresh, func in lift_fresh)
+            return out
+
+        def _predict(self, func, schema, fresh, args, kwargs):
+            meta_args = tree_map(to_meta, args)
+            meta_kwargs = tree_map(to_meta, kwargs)
+            if any(a.name == "device" for a in schema.arguments):
+                meta_kwargs["device"] = meta
+            try:
+                meta_out = func(*meta_args, **meta_kwargs)
+            except Exception:
+                return None  # no meta kernel (data-dependent shapes): counted after the op instead
+            outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+            needed = 0
+            for is_fresh, value in zip(fresh, outs):
+                if not is_fresh:
+                    continue
+                for leaf in tree_flatten(value)[0]:
+                    if isinstance(leaf, torch.Tensor):
+                        needed += leaf.untyped_storage().nbytes()
+            return needed
+
+    _mode_class = SimulatedMemoryMode
+    return _mode_class
+
+
+class SimulatedDevice:
+    """A device of `capacity` bytes. Use as a context manager, or `start()` / `stop()`.
+
+    `allocated` and `peak` are exact: every storage created while active is counted when created and
+    released when its last reference goes.
+    """
+
+    kind = "simulated"
+
+    def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU"):
+        if int(capacity) <= 0:
+            raise ValueError(f"a simulated device needs a capacity above 0 bytes, not {capacity}")
+        self.capacity = int(capacity)
+        self.index = index
+        self.name = name
+        self.allocated = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._lock = threading.Lock()
+        self._mode = None
+
+    @property
+    def key(self) -> str:
+        return f"sim:{self.index}"
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    @property
+    def live_storages(self) -> int:
+        return len(self._live)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> SimulatedDevice:
+        if self._mode is not None:
+            raise RuntimeError("this simulated device is already active")
+        self._mode = _get_mode_class()(self)
+        self._mode.__enter__()
+        return self
+
+    def stop(self) -> None:
+        """Stop counting new storages. Storages already counted keep being given back when freed."""
+        if self._mode is None:
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+
+    def __enter__(self) -> SimulatedDevice:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.allocated
+
+    @contextmanager
+    def limited(self, capacity: int):
+        """Lower the capacity for a block (the `-l` cap of `%%oomguard`); restored afterwards."""
+        old = self.capacity
+        self.capacity = min(old, int(capacity))
+        try:
+            yield self
+        finally:
+            self.capacity = old
+
+    # -- accounting --------------------------------------------------------------------------------
+    def _check(self, needed: int) -> None:
+        if needed and self.allocated + needed > self.capacity:
+            raise self.out_of_memory(needed)
+
+    def out_of_memory(self, requested: int):
+        import torch
+
+        free = max(0, self.capacity - self.allocated)
+        msg = (
+            f"CUDA out of memory (simulated device). Tried to allocate {torch_size_text(requested)}. "
+            f"GPU {self.index} has a total capacity of {torch_size_text(self.capacity)} of which "
+            f"{torch_size_text(free)} is free. Including non-PyTorch memory, this process has "
+            f"{torch_size_text(self.allocated)} memory in use. Of the allocated memory "
+            f"{torch_size_text(self.allocated)} is allocated by PyTorch, and 0 bytes is reserved by "
+            "PyTorch but unallocated.")
+        return torch.OutOfMemoryError(msg)
+
+    def _track_outputs(self, out, fresh, lifted: bool) -> None:
+        import torch
+
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        grown = 0
+        for is_fresh, value in zip(fresh, outs):
+            for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
+                if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+                    continue
+                storage = leaf.untyped_storage()
+                key = storage._cdata
+                nbytes = storage.nbytes()
+                with self._lock:
+                    known = self._live.get(key)
+                    if known is None:
+                        if not (is_fresh or lifted):
+                            continue  # a view or in-place result of a storage made before we started
+                        self._live[key] = nbytes
+                        self.allocated += nbytes
+                        self._finalizers[key] = weakref.finalize(storage, self._release, key)
+                    elif nbytes != known:          # resized in place (out= arguments, resize_)
+                        self._live[key] = nbytes
+                        self.allocated += nbytes - known
+                        grown += max(0, nbytes - known)
+                    if self.allocated > self.peak:
+                        self.peak = self.allocated
+        if grown and self.allocated > self.capacity:
+            raise self.out_of_memory(grown)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._live.pop(key, 0)
+            self._finalizers.pop(key, None)
+            self.allocated -= nbytes
+
+    def forget(self) -> None:
+        """Stop following the storages counted so far (a device that is switched off for good)."""
+        with self._lock:
+            for fin in self._finalizers.values():
+                fin.detach()
+            self._finalizers.clear()
+            self._live.clear()
+            self.allocated = 0
+
+    def memory(self) -> DeviceMemory:
+        return DeviceMemory(
+            key=self.key, name=f"{self.name} ({torch_size_text(self.capacity)})", kind=self.kind,
+            capacity=self.capacity, torch_allocated=self.allocated, torch_cached=0,
+            other_this_process=0, other_processes=0, free=max(0, self.capacity - self.allocated),
+            peak=self.peak, peak_exact=True,
+            notes=["simulated device: counts tensors created in this thread"])
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "inactive"
+        return (f"<SimulatedDevice {self.key} {state}: {self.allocated} of {self.capacity} bytes "
+                f"allocated, peak {self.peak}>")
+
+
+@contextmanager
+def simulated_device(capacity, *, index: int = 0):
+    """`with simulated_device("8GiB") as dev:` - tensors created inside count against `dev`."""
+    from .units import parse_size
+
+    nbytes = parse_size(capacity, allow_fraction=False) if isinstance(capacity, str) else int(capacity)
+    dev = SimulatedDevice(nbytes, index=index)
+    with dev:
+        yield dev
+
+
+def active_device() -> SimulatedDevice | None:
+    """The session's simulated device (`%gpumem --simulate`), or None."""
+    return _session if _session is not None and _session.active else None
+
+
+def start_session(capacity: int) -> SimulatedDevice:
+    """Turn on a session-wide simulated device, replacing one already on."""
+    global _session
+    stop_session()
+    _session = SimulatedDevice(capacity).start()
+    return _session
+
+
+def stop_session() -> bool:
+    global _session
+    dev, _session = _session, None
+    if dev is None:
+        return False
+    dev.stop()
+    dev.forget()
+    return True

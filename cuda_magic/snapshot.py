@@ -1,0 +1,36 @@
+"""Taking a snapshot: the devices' memory and the census of live tensors, as plain records."""
+from __future__ import annotations
+
+from .backends import read_devices
+from .census import take_census
+from .model import Snapshot
+
+
+def user_namespace(shell):
+    if shell is None:
+        return None, None
+    out = getattr(shell, "user_ns", {}).get("Out")
+    return shell.user_ns, out if isinstance(out, dict) else None
+
+
+def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:
+    """Where memory is now. `shell` (an IPython shell) names tensors by the user's variables.
+
+    Outside IPython pass nothing: tensors are then listed without names. The result holds no tensor.
+    """
+    if shell is None:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+    records, per_device, notes = [], {}, []
+    if tensors:
+        namespace, out_cache = user_namespace(shell)
+        records, per_device, notes = take_census(namespace, out_cache=out_cache)
+    reading = read_devices(cpu_tensor_bytes=per_device.get("cpu", 0))
+    snap = Snapshot(device_list=reading.devices, tensor_list=records, processes=reading.processes,
+                    notes=reading.notes + notes, tensor_count=len(records), tensor_bytes=per_device)
+    snap.top = top
+    return snap

@@ -1,0 +1,79 @@
+"""Sizes: parsing what users type and formatting bytes for display. Inside, sizes are int bytes."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "B": 1,
+    "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
+_NUMBER_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*$")
+
+
+class SizeError(ValueError):
+    """A size the user typed cannot be understood; the message says what is accepted."""
+
+
+def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool = True) -> int:
+    """Bytes for '4GiB', '512MB', '64MiB', '1024B', or a fraction of `capacity` such as '0.25'.
+
+    A fraction must be above 0 and at most 1. A bare number above 1, zero, a negative number or an
+    unknown unit raises SizeError.
+    """
+    raw = str(text).strip()
+    number = _NUMBER_RE.match(raw)
+    if number:
+        value = float(number.group(1))
+        if not allow_fraction:
+            raise SizeError(f"size {raw!r} has no unit: write it like 4GiB, 512MB or 64MiB")
+        if not 0 < value <= 1:
+            raise SizeError(
+                f"size {raw!r} is not valid: give a fraction of the capacity above 0 and at most 1 "
+                "(0.25), or a size with a unit (4GiB, 512MB, 64MiB)")
+        if capacity is None:
+            raise SizeError(f"size {raw!r} is a fraction, but the capacity is not known here: give a unit")
+        return max(1, int(capacity * value))
+    match = _SIZE_RE.match(raw)
+    if not match:
+        raise SizeError(
+            f"size {raw!r} is not valid: give a size with a unit (4GiB, 512MB, 64MiB; units B, KiB, MiB, "
+            "GiB, TiB, KB, MB, GB, TB) or a fraction of the capacity (0.25)")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _UNITS:
+        raise SizeError(
+            f"size {raw!r} has an unknown unit {match.group(2)!r}: use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 0:
+        raise SizeError(f"size {raw!r} is not valid: it must be more than 0 bytes")
+    return nbytes
+
+
+def format_bytes(n: int | float | None, signed: bool = False) -> str:
+    """'1.50 GiB', '512 B'; with signed=True a leading '+' or '-'. None gives 'n/a'."""
+    if n is None:
+        return "n/a"
+    sign = ""
+    if signed:
+        sign = "+" if n > 0 else ("-" if n < 0 else "±")
+    elif n < 0:
+        sign = "-"
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "PiB":
+            return f"{sign}{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"

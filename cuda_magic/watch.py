@@ -1,0 +1,154 @@
+"""`%gpumem --watch`: after every cell, its change in allocated memory, its exact peak and duration.
+
+Peaks come from the allocators' own peak counters, reset when a cell starts (torch.cuda's, the simulated
+device's); on a CPU-only machine from the kernel's resident-set high-water mark, which Linux lets us reset
+(/proc/self/clear_refs) and which is marked approximate. No polling thread.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .model import CellRecord
+from .simulated import active_device
+
+
+class _ProcReader:
+    """Reads /proc/self/status through one open descriptor: the cheapest way to VmRSS and VmHWM."""
+
+    def __init__(self):
+        self.status_fd = self.clear_fd = None
+        try:
+            self.status_fd = os.open("/proc/self/status", os.O_RDONLY)
+            self.clear_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+        except OSError:
+            pass
+
+    def reset_peak(self) -> bool:
+        if self.clear_fd is None:
+            return False
+        try:
+            os.write(self.clear_fd, b"5")
+            return True
+        except OSError:
+            return False
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        if self.status_fd is None:
+            return None, None
+        text = os.pread(self.status_fd, 4096, 0)
+        rss = hwm = None
+        i = text.find(b"VmHWM:")
+        if i >= 0:
+            hwm = int(text[i + 6:text.index(b"kB", i)]) * 1024
+        i = text.find(b"VmRSS:")
+        if i >= 0:
+            rss = int(text[i + 6:text.index(b"kB", i)]) * 1024
+        return rss, hwm
+
+    def close(self) -> None:
+        for fd in (self.status_fd, self.clear_fd):
+            if fd is not None:
+                os.close(fd)
+        self.status_fd = self.clear_fd = None
+
+
+class CellWatcher:
+    """Per-cell records through IPython's pre_run_cell / post_run_cell events. Cheap; never raises."""
+
+    def __init__(self, shell, on_record=None):
+        self.shell = shell
+        self.records: list[CellRecord] = []
+        self.on_record = on_record
+        self.active = False
+        self._proc = None
+        self._start = None
+
+    # events ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.active:
+            self.shell.events.register("pre_run_cell", self.pre_run_cell)
+            self.shell.events.register("post_run_cell", self.post_run_cell)
+            self.active = True
+
+    def stop(self) -> None:
+        if self.active:
+            for name, cb in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
+                try:
+                    self.shell.events.unregister(name, cb)
+                except ValueError:
+                    pass
+            self.active = False
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
+
+    def _device(self):
+        """(key, allocated, reset_peak, read_peak, exact) for the device this cell runs on."""
+        sim = active_device()
+        if sim is not None:
+            return "sim", sim
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                if torch.cuda.is_initialized():
+                    return "cuda", torch
+            except Exception:
+                pass
+        return "cpu", None
+
+    def pre_run_cell(self, info=None) -> None:
+        try:
+            kind, dev = self._device()
+            if kind == "sim":
+                dev.reset_peak()
+                before = dev.allocated
+            elif kind == "cuda":
+                i = dev.cuda.current_device()
+                dev.cuda.reset_peak_memory_stats(i)
+                before = dev.cuda.memory_allocated(i)
+            else:
+                if self._proc is None:
+                    self._proc = _ProcReader()
+                self._proc.reset_peak()
+                before = self._proc.rss_and_peak()[0]
+            self._start = (kind, before, time.perf_counter())
+        except Exception as exc:  # a hook must never raise: note it once and carry on
+            self._start = None
+            self._note(exc)
+
+    def post_run_cell(self, result=None) -> None:
+        start, self._start = self._start, None
+        if start is None:
+            return
+        kind, before, t0 = start
+        duration = time.perf_counter() - t0
+        try:
+            if kind == "sim":
+                dev = active_device()
+                if dev is None:
+                    return
+                after, peak, exact, key = dev.allocated, dev.peak, True, dev.key
+            elif kind == "cuda":
+                torch = sys.modules["torch"]
+                i = torch.cuda.current_device()
+                after = torch.cuda.memory_allocated(i)
+                peak, exact, key = torch.cuda.max_memory_allocated(i), True, f"cuda:{i}"
+            else:
+                after, peak = self._proc.rss_and_peak()
+                exact, key = False, "cpu"
+            delta = (after - before) if after is not None and before is not None else None
+            record = CellRecord(cell=getattr(self.shell, "execution_count", len(self.records) + 1) - 1,
+                                allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
+                                device=key)
+            self.records.append(record)
+            if self.on_record is not None:
+                self.on_record(record)
+        except Exception as exc:
+            self._note(exc)
+
+    def _note(self, exc) -> None:
+        if not getattr(self, "_noted", False):
+            self._noted = True
+            print(f"[gpumem --watch] could not read memory: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,0 +1,301 @@
+"""Run a notebook in a real JupyterLab, driven by headless Chromium through Playwright.
+
+`lab_server` starts a throwaway JupyterLab (free port, no token, temporary root, config,
+settings and workspace directories, first-run pop-ups off); `open_browser` launches the
+system Chromium (never a Playwright download); `run_all_cells` opens a notebook and runs it
+to the end; `run_notebook_in_lab` ties the three together and yields the page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+# User settings that keep a fresh JupyterLab from covering the notebook with pop-ups,
+# and that attach every cell to the DOM so selectors and screenshots see the whole notebook.
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+        "doNotDisturbMode": True,
+    },
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "windowingMode": "none",
+    },
+}
+
+# True once every code cell has left the queue: no "[*]" prompt, kernel idle, and at least
+# one cell executed (so a run that has not started yet does not count as finished).
+_RUN_FINISHED_JS = """
+() => {
+  const app = window.jupyterapp;
+  const panel = app && app.shell.currentWidget;
+  if (!panel || !panel.sessionContext) return false;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  if (!kernel || kernel.status !== 'idle') return false;
+  const prompts = [...panel.node.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
+  if (prompts.some(p => p.textContent.includes('*'))) return false;
+  return prompts.some(p => /\\[\\d+\\]/.test(p.textContent));
+}
+"""
+
+_KERNEL_IDLE_JS = """
+() => {
+  const app = window.jupyterapp;
+  const panel = app && app.shell.currentWidget;
+  const ctx = panel && panel.sessionContext;
+  return !!(ctx && ctx.isReady && ctx.session && ctx.session.kernel
+            && ctx.session.kernel.status === 'idle');
+}
+"""
+
+
+@dataclass(frozen=True)
+class LabServer:
+    """A running JupyterLab: where it listens and where it keeps its files."""
+
+    port: int
+    root_dir: Path
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def notebook_url(self, name: str) -> str:
+        return f"{self.base_url}/lab/tree/{name}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _write_settings(settings_dir: Path) -> None:
+    for rel_path, values in LAB_SETTINGS.items():
+        path = settings_dir / rel_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values, indent=2))
+
+
+def _copy_notebook(notebook: Path, root_dir: Path) -> None:
+    """Copy the notebook, pointing it at this environment's `python3` kernel so no
+    kernel-selection dialog appears and the kernel runs the interpreter under test."""
+    data = json.loads(notebook.read_text())
+    data.setdefault("metadata", {})["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
+    (root_dir / notebook.name).write_text(json.dumps(data, indent=1))
+
+
+def _wait_until_up(proc: subprocess.Popen, server: LabServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"JupyterLab exited with code {proc.returncode}:\n{server.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{server.base_url}/api", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"JupyterLab did not answer within {timeout_s}s:\n{server.log_tail()}")
+
+
+def _stop(proc: subprocess.Popen, server: LabServer) -> None:
+    # /api/shutdown stops the kernels too; they live in their own sessions, so a signal
+    # to the server's process group alone would leave them running.
+    with contextlib.suppress(OSError, urllib.error.URLError):
+        request = urllib.request.Request(f"{server.base_url}/api/shutdown", method="POST")
+        urllib.request.urlopen(request, timeout=5).close()
+    for sig, grace_s in ((None, 10), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def lab_server(notebook: Path, *, startup_timeout_s: float = 90) -> Iterator[LabServer]:
+    """Start JupyterLab with a copy of `notebook` in a temporary root directory."""
+    tmp = Path(tempfile.mkdtemp(prefix="cuda-magic-lab-"))
+    root_dir, config_dir, settings_dir = tmp / "root", tmp / "config", tmp / "settings"
+    for path in (root_dir, config_dir, settings_dir, tmp / "data", tmp / "runtime"):
+        path.mkdir()
+    _copy_notebook(Path(notebook), root_dir)
+    _write_settings(settings_dir)
+    server = LabServer(port=free_port(), root_dir=root_dir, log_path=tmp / "lab.log")
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(config_dir),
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(settings_dir),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+    )
+    command = [
+        sys.executable, "-m", "jupyter", "lab",
+        "--no-browser",
+        "--expose-app-in-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={server.port}",
+        "--ServerApp.port_retries=0",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+        # Lets the harness POST /api/shutdown without a browser cookie; loopback only.
+        "--ServerApp.disable_check_xsrf=True",
+        "--ServerApp.terminals_enabled=False",
+        f"--ServerApp.root_dir={root_dir}",
+        f"--LabApp.user_settings_dir={settings_dir}",
+        f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+    ]
+    if os.geteuid() == 0:  # CI containers run as root
+        command.append("--allow-root")
+    with open(server.log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command, cwd=root_dir, env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        _wait_until_up(proc, server, startup_timeout_s)
+        yield server
+    finally:
+        _stop(proc, server)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def open_browser(viewport: tuple[int, int] = (1280, 900)) -> Iterator["Page"]:  # noqa: F821
+    """A fresh page in the system Chromium, headless."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+            yield page
+        finally:
+            browser.close()
+
+
+def run_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
+    """Open the notebook at `url`, wait for an idle kernel, run every cell, and return once
+    every cell has finished (none queued, kernel idle)."""
+    timeout_ms = timeout_s * 1000
+    page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
+    page.wait_for_function(_KERNEL_IDLE_JS, timeout=timeout_ms, polling=200)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+    # Outputs (widget views above all) render asynchronously after the kernel reply.
+    page.wait_for_timeout(500)
+    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+
+
+def save_full_screenshot(page, path: Path) -> Path:
+    """Screenshot the whole notebook, not only the visible part: the notebook scrolls inside
+    its own panel, so the side bars are collapsed and the viewport is resized to fit the
+    last cell."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extra_px = page.evaluate(
+        """() => {
+          const shell = window.jupyterapp.shell;
+          shell.collapseLeft();
+          shell.collapseRight();
+          const notebook = shell.currentWidget.content;
+          const scroller = notebook.node.querySelector('.jp-WindowedPanel-outer')
+                           || notebook.node;
+          scroller.scrollTop = 0;
+          const cells = notebook.node.querySelectorAll('.jp-Cell');
+          const last = cells[cells.length - 1];
+          const bottom = last.getBoundingClientRect().bottom
+                         - scroller.getBoundingClientRect().top;
+          return Math.ceil(bottom + 24 - scroller.clientHeight);
+        }"""
+    )
+    size = page.viewport_size
+    height = max(400, min(size["height"] + extra_px, 8000))
+    page.set_viewport_size({"width": size["width"], "height": height})
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+@contextlib.contextmanager
+def run_notebook_in_lab(
+    notebook: Path, *, screenshot: Path | None = None, timeout_s: float = 120
+) -> Iterator["Page"]:  # noqa: F821
+    """Run `notebook` in a fresh JupyterLab and yield the page once all cells finished.
+    A full-page screenshot goes to `screenshot` when one is given."""
+    notebook = Path(notebook)
+    with lab_server(notebook) as server, open_browser() as page:
+        try:
+            run_all_cells(page, server.notebook_url(notebook.name), timeout_s=timeout_s)
+        except Exception as exc:
+            if screenshot is not None:
+                with contextlib.suppress(Exception):
+                    page.screenshot(path=str(screenshot))
+            raise RuntimeError(f"{exc}\n--- JupyterLab log ---\n{server.log_tail()}") from exc
+        if screenshot is not None:
+            save_full_screenshot(page, screenshot)
+        yield page
+
+
+def error_outputs(page) -> list[str]:
+    """Texts of error outputs in the open notebook: tracebacks, and anything on stderr that
+    mentions one (a hook's traceback printed to stderr is a failure too)."""
+    return page.evaluate(
+        """() => {
+          const panel = window.jupyterapp.shell.currentWidget;
+          const found = [];
+          for (const el of panel.node.querySelectorAll('.jp-OutputArea-output')) {
+            const isError = el.matches('[data-mime-type="application/vnd.jupyter.error"]')
+              || !!el.querySelector('[data-mime-type="application/vnd.jupyter.error"]');
+            const stderr = el.matches('[data-mime-type="application/vnd.jupyter.stderr"]')
+              ? el : el.querySelector('[data-mime-type="application/vnd.jupyter.stderr"]');
+            const stderrTraceback = !!stderr && /Traceback|Error:/.test(stderr.textContent);
+            if (isError || stderrTraceback) found.push(el.textContent.trim());
+          }
+          return found;
+        }"""
+    )

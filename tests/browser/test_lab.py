@@ -1,0 +1,136 @@
+"""Notebooks run in a real JupyterLab in headless Chromium.
+
+The harness tests use a notebook built here with plain ipywidgets; `test_demo_renders_widgets`
+runs the repository's demo.ipynb and saves the README figures when CUDA_MAGIC_SCREENSHOT=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from lab import CHROMIUM, error_outputs, run_notebook_in_lab
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO = REPO_ROOT / "demo.ipynb"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} not installed (apt-get install chromium)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("jupyterlab") is None
+        or importlib.util.find_spec("playwright") is None,
+        reason="jupyterlab or playwright (python package) not installed",
+    ),
+]
+
+
+def _screenshot_paths(name: str, tmp_path: Path) -> dict[str, Path]:
+    """README figures go to docs/ with CUDA_MAGIC_SCREENSHOT=1, else to an artifact folder
+    (CUDA_MAGIC_ARTIFACTS, default artifacts/browser) so a CI run can be looked at."""
+    if os.environ.get("CUDA_MAGIC_SCREENSHOT") == "1":
+        return {"page": REPO_ROOT / "docs" / f"{name}-recovery.png",
+                "widget": REPO_ROOT / "docs" / f"{name}.png"}
+    folder = Path(os.environ.get("CUDA_MAGIC_ARTIFACTS", REPO_ROOT / "artifacts" / "browser"))
+    return {"page": folder / f"{name}-recovery.png", "widget": folder / f"{name}.png"}
+
+
+def _write_notebook(path: Path, sources: list[str]) -> Path:
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(notebook, path)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited all the same.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_harness_renders_widget_and_text_and_shuts_down(tmp_path):
+    notebook = _write_notebook(tmp_path / "harness.ipynb", [
+        "import ipywidgets as widgets\n"
+        "box = widgets.HTML('<b>harness widget</b>')\n"
+        "box.add_class('cuda-magic-widget')\n"
+        "display(box)",
+        "import os\nprint(f'kernel pid {os.getpid()}')",
+        "import time\ntime.sleep(1)\nprint('slow cell done')",
+    ])
+    screenshot = tmp_path / "harness.png"
+
+    with run_notebook_in_lab(notebook, screenshot=screenshot, timeout_s=90) as page:
+        widget = page.locator(".jp-OutputArea-output .cuda-magic-widget")
+        assert widget.count() == 1
+        assert widget.inner_text().strip() == "harness widget"
+        text = page.locator(".jp-OutputArea-output").all_inner_texts()
+        # The last cell sleeps: the harness must have waited for it, not only for the first.
+        assert any("slow cell done" in t for t in text)
+        assert error_outputs(page) == []
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        assert [p.strip() for p in prompts] == ["[1]:", "[2]:", "[3]:"]
+        kernel_pid = int(re.search(r"kernel pid (\d+)", "\n".join(text)).group(1))
+        assert _pid_alive(kernel_pid)
+
+    assert screenshot.stat().st_size > 10_000
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not _pid_alive(kernel_pid), "the kernel outlived the JupyterLab server"
+
+
+def test_harness_reports_errors(tmp_path):
+    notebook = _write_notebook(tmp_path / "failing.ipynb", [
+        "print('before')",
+        "raise ValueError('boom from the notebook')",
+        "print('never runs')",
+    ])
+    with run_notebook_in_lab(notebook, timeout_s=90) as page:
+        errors = error_outputs(page)
+        texts = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+    assert len(errors) == 1
+    assert "ValueError" in errors[0] and "boom from the notebook" in errors[0]
+    assert "before" in texts
+    assert "never runs" not in texts
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="demo.ipynb not written yet")
+def test_demo_renders_widgets(tmp_path):
+    shots = _screenshot_paths("widget-oom", tmp_path)
+    with run_notebook_in_lab(DEMO, screenshot=shots["page"], timeout_s=150) as page:
+        assert error_outputs(page) == []
+        assert page.locator(".cuda-magic-widget").count() >= 1
+
+        bar = page.locator(".cuda-magic-bar")
+        assert bar.count() >= 1
+        assert page.locator(".cuda-magic-bar .cuda-magic-part-torch_allocated").count() >= 1
+        assert page.locator(".cuda-magic-bar .cuda-magic-part-free").count() >= 1
+
+        diagnosis = page.locator(".cuda-magic-diagnosis")
+        assert diagnosis.count() >= 1
+        assert diagnosis.first.inner_text().strip()
+
+        outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+        assert "reclaimed" in outputs
+
+        # The README figure: the widget that explains the OOM (or, if the class sits on an
+        # inner element, the whole output holding it), scrolled into view.
+        widget = page.locator(".cuda-magic-widget:has(.cuda-magic-diagnosis)")
+        if widget.count() == 0:
+            widget = page.locator(".jp-OutputArea-output:has(.cuda-magic-diagnosis)")
+        widget = widget.first
+        widget.scroll_into_view_if_needed()
+        shots["widget"].parent.mkdir(parents=True, exist_ok=True)
+        widget.screenshot(path=str(shots["widget"]))
+
+    for path in shots.values():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 1_000
