@@ -18,8 +18,14 @@ NEW_SETTER = "torch._C._accelerator_setAllocatorSettings"
 OLD_SETTER = "torch.cuda.memory._set_allocator_settings"
 
 
-def current_allocator_conf() -> str:
-    """The allocator settings from the environment: the first of ENV_VARS that is set, else ''."""
+def current_allocator_conf(*, runtime: bool = True) -> str:
+    """The allocator settings in force: what torch's allocator reports where torch is imported and
+    can say (that includes changes made at runtime), else the first of ENV_VARS that is set, else ''.
+    runtime=False: the environment only."""
+    if runtime:
+        now = runtime_allocator_conf()
+        if now is not None:
+            return now
     for name in ENV_VARS:
         value = os.environ.get(name)
         if value is not None:
@@ -122,8 +128,7 @@ def expandable_segments_line(conf: str | None = None, *, setter: str | None = No
     'import torch; torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128,expandable_segments:True")'
     """
     if conf is None:
-        conf = runtime_allocator_conf()
-        conf = current_allocator_conf() if conf is None else conf
+        conf = current_allocator_conf()
     new = merge_conf(conf, expandable_segments=True)
     return f"import torch; {setter or _setter_name()}({json.dumps(new)})"
 
@@ -142,8 +147,7 @@ def enable_expandable_segments() -> str:
             f"cannot switch on expandable_segments: no CUDA device is available (torch "
             f"{torch.__version__}, {build}). It is an option of the CUDA caching allocator; the CPU, "
             "MPS and the simulated device have nothing to switch.")
-    runtime = runtime_allocator_conf()
-    conf = current_allocator_conf() if runtime is None else runtime
+    conf = current_allocator_conf()
     if (conf_value(conf, "backend") or "native").lower() != "native":
         raise RuntimeError(
             f"cannot switch on expandable_segments: the allocator backend is "

@@ -14,7 +14,13 @@ _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None
                      type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                      types.ModuleType, types.CodeType, property, staticmethod, classmethod,
                      type(Ellipsis), memoryview})
-_LARGE = 64                 # containers longer than this are first checked with set(map(type, ...))
+_LARGE = 64                 # containers longer than this are first probed by _holds_only_data
+# Types whose objects refer to nothing (gc.get_referents gives []), and the exact container types whose
+# items the probe follows: a subtree made of these alone can hold no tensor.
+_LEAF = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, type(Ellipsis)})
+_PLAIN = frozenset({list, tuple, dict, set, frozenset})
+_LEAF_OR_PLAIN = _LEAF | _PLAIN
+_ATOMIC_OR_PLAIN = _ATOMIC | _PLAIN
 MAX_VISITS = 400_000        # the namespace walk stops here (names then may be incomplete)
 MAX_DEPTH = 8
 _SKIP_NAMES = frozenset({"In", "Out", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_ih", "_dh",
@@ -81,12 +87,12 @@ class _Namer:
         elif isinstance(obj, self.optim_type):
             self.optimizers.append((name, obj))
         elif cls is list or cls is tuple or isinstance(obj, (list, tuple)):
-            if len(obj) > _LARGE and set(map(type, obj)) <= _ATOMIC:
+            if len(obj) > _LARGE and cls in _PLAIN and _holds_only_data(obj, MAX_DEPTH + 1 - depth):
                 return
             for i, item in enumerate(obj):
                 self.walk(item, f"{name}[{i}]", depth + 1)
         elif isinstance(obj, dict):
-            if len(obj) > _LARGE and set(map(type, obj.values())) <= _ATOMIC:
+            if len(obj) > _LARGE and cls is dict and _holds_only_data(obj, MAX_DEPTH + 1 - depth):
                 return
             for k, v in list(obj.items()):
                 self.walk(v, f"{name}[{_key_text(k)}]", depth + 1)
@@ -125,6 +131,27 @@ class _Namer:
                 for j, p in enumerate(group.get("params", ())):
                     if id(p) not in self.param_names:
                         self.add(p, f"{name}.param_groups[{g}]['params'][{j}]")
+
+
+def _holds_only_data(obj, levels: int) -> bool:
+    """Whether a plain container holds, `levels` levels down, only atomic values and plain containers.
+
+    Such a subtree has no tensor, module or object with attributes for the walk to name, so the walk
+    skips it. Breadth first, one level at a time, with gc.get_referents and set(map(type, ...)) doing the
+    work in C: a list of a million rows costs milliseconds instead of a million Python calls. Dict keys
+    are followed too (the walk ignores them), which can only make the answer False, never wrongly True.
+    """
+    level = [obj]
+    for _ in range(levels):
+        level = gc.get_referents(*level)
+        kinds = set(map(type, level))
+        if kinds <= _LEAF:
+            return True
+        if not kinds <= _ATOMIC_OR_PLAIN:
+            return False
+        if not kinds <= _LEAF_OR_PLAIN:   # functions, classes, modules: atomic to the walk, not followed
+            level = [o for o in level if type(o) in _PLAIN]
+    return True   # deeper than the walk goes: it would name nothing there
 
 
 def _key_text(k) -> str:

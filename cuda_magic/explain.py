@@ -44,10 +44,10 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     (`-l`), which counts as the capacity. batch_var / accum_var: the names to put in the
     `%%oomguard -r BATCH -a ACCUM` line.
     """
-    capacity = fields.capacity if fields.capacity is not None else device_capacity
-    for cap in (fields.allowed, limit):
-        if cap is not None:
-            capacity = cap if capacity is None else min(capacity, cap)
+    device_cap = fields.capacity if fields.capacity is not None else device_capacity
+    caps = [c for c in (device_cap, fields.allowed, limit) if c is not None]
+    capacity = min(caps) if caps else None
+    limited = capacity is not None and capacity != device_cap
     request, free = fields.requested, fields.free
     held = sorted(((str(n), int(b)) for n, b in holders if b and b > 0), key=lambda h: -h[1])
     held_total = sum(b for _, b in held)
@@ -55,7 +55,7 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     # Plenty free and still out of memory: a limit or the driver, not what holds memory here. (A few
     # MiB free on a full device is no room: the allocator asks the driver for whole segments.)
     plenty_free = (shortfall == 0 and free is not None and capacity is not None
-                   and free > _SHARE * capacity and fields.allowed is None and limit is None)
+                   and free > _SHARE * capacity and not limited)
 
     found: dict[str, int] = {}
     if request is not None and capacity and request > capacity:
@@ -67,7 +67,7 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
             or (capacity and cached > _SHARE * capacity)):
         found["fragmentation"] = cached
 
-    others, estimated = _others(fields, capacity)
+    others, estimated = _others(fields, device_cap)
     if others and not plenty_free and capacity:
         if estimated:
             significant = others > max(_SHARE * capacity, _CONTEXT_ALLOWANCE)
@@ -97,9 +97,9 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
             found["too_large"] = max(0, (working or 0) - kept) + request
 
     causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c))) or ["unknown"]
-    context = dict(fields=fields, capacity=capacity, peak=peak, limited=capacity != fields.capacity and (
-                       fields.allowed is not None or limit is not None), held=held, found=found, others_estimated=estimated,
-                   amp=amp, alloc_conf=alloc_conf, batch=batch_var or "BATCH", accum=accum_var or "ACCUM")
+    context = dict(fields=fields, capacity=capacity, limited=limited, peak=peak, held=held, found=found,
+                   others_estimated=estimated, amp=amp, alloc_conf=alloc_conf,
+                   batch=batch_var or "BATCH", accum=accum_var or "ACCUM")
     return Diagnosis(causes=causes, summary=_summary(causes, context), advice=_advice(causes, context),
                      holders=held)
 

@@ -10,52 +10,78 @@ from __future__ import annotations
 import sys
 
 
-def offload(obj, device="cpu", *, _memo: dict | None = None):
+class _Walk:
+    """One offload call: objects already moved, parameters a module replaced, optimizers to do last."""
+
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.device = device
+        self.moved: dict[int, tuple] = {}         # id -> (original, moved); keeps originals alive
+        self.replaced: dict[int, tuple] = {}      # id(old param) -> (old, new) where Module.to swapped it
+        self.optimizers: list = []
+
+
+def offload(obj, device="cpu"):
     """Move the tensors in obj to `device` (default the CPU) and return the moved object; rebind the
     variable to it. Handles tensors, nn.Modules, optimizers (state and param groups) and containers of
-    these; other objects are returned unchanged."""
+    these; other objects are returned unchanged. Pass everything that belongs together in one call
+    (`offload([model, opt])`): optimizers are done last, following any parameter a module replaced."""
     torch = sys.modules.get("torch")
     if torch is None:
         return obj
-    memo = {} if _memo is None else _memo
-    if id(obj) in memo:
-        return memo[id(obj)][1]
-    moved = _offload(obj, torch, device, memo)
-    memo[id(obj)] = (obj, moved)  # keeps obj alive during the walk, so ids are not reused
+    walk = _Walk(torch, device)
+    moved = _visit(obj, walk)
+    for opt in walk.optimizers:
+        _move_optimizer(opt, walk)
     return moved
 
 
-def _offload(obj, torch, device, memo):
+def _visit(obj, walk):
+    if id(obj) in walk.moved:
+        return walk.moved[id(obj)][1]
+    walk.moved[id(obj)] = (obj, obj)  # provisional: containers that contain themselves
+    moved = _offload(obj, walk)
+    walk.moved[id(obj)] = (obj, moved)
+    return moved
+
+
+def _offload(obj, walk):
+    torch = walk.torch
     if issubclass(type(obj), torch.Tensor):
-        return _move_tensor(obj, torch, device)
+        if id(obj) in walk.replaced:  # a module moved earlier in this call swapped this parameter
+            return walk.replaced[id(obj)][1]
+        return _move_tensor(obj, torch, walk.device)
     if isinstance(obj, torch.nn.Module):
-        return obj.to(device)
+        before = list(obj.parameters())
+        obj.to(walk.device)  # in place; parameters keep their identity where the tensor types allow
+        for old, new in zip(before, obj.parameters()):
+            if old is not new:
+                walk.replaced[id(old)] = (old, new)
+        return obj
     if isinstance(obj, torch.optim.Optimizer):
-        _move_optimizer(obj, torch, device, memo)
+        walk.optimizers.append(obj)
         return obj
     if isinstance(obj, list):
-        memo[id(obj)] = (obj, obj)  # a list that contains itself
-        obj[:] = [offload(x, device, _memo=memo) for x in obj]
+        obj[:] = [_visit(x, walk) for x in obj]
         return obj
     if isinstance(obj, dict):
-        memo[id(obj)] = (obj, obj)
         for key, value in list(obj.items()):
-            obj[key] = offload(value, device, _memo=memo)
+            obj[key] = _visit(value, walk)
         return obj
     if isinstance(obj, tuple):
-        items = [offload(x, device, _memo=memo) for x in obj]
+        items = [_visit(x, walk) for x in obj]
         if all(a is b for a, b in zip(items, obj)):
             return obj
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         return type(obj)(items)
     if isinstance(obj, set):
-        items = [offload(x, device, _memo=memo) for x in obj]
+        items = [_visit(x, walk) for x in obj]
         obj.clear()
         obj.update(items)
         return obj
     if isinstance(obj, frozenset):
-        return type(obj)(offload(x, device, _memo=memo) for x in obj)
+        return type(obj)(_visit(x, walk) for x in obj)
     return obj
 
 
@@ -78,11 +104,18 @@ def _move_tensor(t, torch, device):
     return moved
 
 
-def _move_optimizer(opt, torch, device, memo):
-    """Move the optimizer's state tensors; the state stays keyed by the same parameter objects. The
-    parameters belong to the model and are not moved here: offload the model too (in the same call or
-    another), its parameters keep their identity."""
-    for param, state in list(opt.state.items()):
+def _move_optimizer(opt, walk):
+    """Move the optimizer's state tensors; the state stays keyed by the same parameter objects (or by
+    their replacements, where a module offloaded in the same call replaced them). The parameters belong
+    to the model and are not moved here: offload the model too."""
+    def current(p):
+        return walk.replaced.get(id(p), (p, p))[1]
+
+    for group in opt.param_groups:
+        group["params"] = [current(p) for p in group["params"]]
+    for param in list(opt.state.keys()):
+        state = opt.state.pop(param) if current(param) is not param else opt.state[param]
         if isinstance(state, dict):
             for key, value in list(state.items()):
-                state[key] = offload(value, device, _memo=memo)
+                state[key] = _visit(value, walk)
+        opt.state[current(param)] = state

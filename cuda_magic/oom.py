@@ -126,7 +126,7 @@ def oom_fields(exc: BaseException | None) -> OomFields | None:
     fields = parse_oom_message(text)
     if isinstance(carrier, MemoryError) and not _OOM_RE.search(text):
         fields.backend, fields.device = "cpu", "cpu"
-        fields.message = fields.message or type(carrier).__name__
+    fields.message = fields.message or type(carrier).__name__
     return fields
 
 
@@ -136,7 +136,7 @@ _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|PiB|KB|MB|GB|TB|PB)\b"
 # torch writes "GB" / "MB" in MPS messages and in its old CPU message but computes them with powers
 # of 1024 (16 GiB of unified memory x 1.7 watermark x 2/3 prints as "max allowed: 18.13 GB"), so every
 # unit here is binary.
-_SCALE = {"": 1, "B": 1, "BYTE": 1, "BYTES": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
+_SCALE = {"B": 1, "BYTE": 1, "BYTES": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
           "P": 1024**5}
 
 

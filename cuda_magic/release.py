@@ -25,6 +25,7 @@ DEFAULT_DEPTH = 8
 
 _OUT_NAME = re.compile(r"_([0-9]+)")
 _UNDERS = ("_", "__", "___")
+_SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
 _CO_OPTIMIZED = 0x0001
 _SKIP_TYPES = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                types.CodeType, types.FrameType, types.TracebackType, str, bytes, int, float, complex, bool,
@@ -112,6 +113,7 @@ def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH)
     tensor_type = torch.Tensor
     module_type = torch.nn.Module
     optimizer_type = torch.optim.Optimizer
+    node_type = torch.autograd.graph.Node
     seen: set[int] = set()
     stack = [(obj, 0)]
     budget = limit
@@ -137,10 +139,13 @@ def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH)
             children = [c for kv in list(item.items()) for c in kv]
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = list(item)
-        elif _is_graph_node(item):
+        elif isinstance(item, node_type):
             children = _graph_node_children(item)
         else:
-            attrs = getattr(item, "__dict__", None)
+            try:
+                attrs = vars(item)
+            except TypeError:  # no __dict__ (slots, C types)
+                attrs = None
             if isinstance(attrs, dict):
                 children = list(attrs.values())
         for child in children:
@@ -169,10 +174,6 @@ def _module_children(module):
     for sub in module.modules():  # plain tensor attributes, not registered as buffers
         children += [v for v in vars(sub).values() if issubclass(type(v), torch.Tensor)]
     return children
-
-
-def _is_graph_node(item) -> bool:
-    return hasattr(item, "next_functions") and hasattr(item, "register_hook")
 
 
 @functools.lru_cache(maxsize=512)
@@ -290,7 +291,7 @@ def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
             excs.append(getattr(sys, attr))
     if getattr(sys, "last_traceback", None) is not None:
         tbs.append(sys.last_traceback)
-    if any(getattr(sys, a, None) is not None for a in ("last_type", "last_value", "last_traceback", "last_exc")):
+    if any(getattr(sys, a, None) is not None for a in _SYS_LAST):
         dropped.append("sys.last_value")
 
     itb = getattr(shell, "InteractiveTB", None)
@@ -314,7 +315,7 @@ def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
         drop_exception(exc, user_ns=user_ns, sever=False)
     for tb in tbs:
         clear_traceback_frames(tb, user_ns)
-    for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+    for attr in _SYS_LAST:
         if hasattr(sys, attr):
             delattr(sys, attr)
     if itb is not None and getattr(itb, "tb", None) is not None:
@@ -570,8 +571,10 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
         hidden = getattr(shell, "user_ns_hidden", {}) or {}
         if offload:
             from .offload import offload as move
-            for name in names:
-                shell.user_ns[name] = move(shell.user_ns[name])
+            # one call, so that a model and its optimizer are moved together
+            moved = move([shell.user_ns[name] for name in names])
+            for name, value in zip(names, moved):
+                shell.user_ns[name] = value
             return
         for name in names:
             value = shell.user_ns.pop(name)

@@ -164,7 +164,7 @@ class BatchSearch:
         if best == self.start or hi is None:
             return None, f"{best} fits (the value given is not searched above)"
         if len(self.history) >= self.max_attempts:
-            return None, f"stopped after {len(self.history)} attempts"
+            return None, f"stopped after {len(self.history)} attempts (the most allowed)"
         if hi - best <= 1:
             return None, f"{best} is the largest value that fits ({hi} ran out of memory)"
         return self._go_up(best, hi)
@@ -178,8 +178,8 @@ class BatchSearch:
                 limit = self._failure_bound(m)
                 if limit is not None and limit < bound:
                     bound = limit
-                    why = (f"{self.descent:.0%} of {limit}, the most that the failure at {m.value} leaves possible "
-                           f"(it needed at least {format_bytes(m.needed_at_least)})")
+                    why = (f"{self.descent:.0%} of {limit}, the most that the failure at {m.value} "
+                           f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
         value = int(bound * self.descent) if bound < hi else hi // 2
         if value < self.floor:
             return self.floor, f"the floor {self.floor} (--min)"
@@ -211,7 +211,8 @@ class BatchSearch:
         if best >= self.goal * bound:
             return None, f"{best} is within {1 - self.goal:.0%} of the largest value that can fit"
         if fitted_line and best >= (1 - 1.5 * self.margin) * predicted:
-            return None, f"{best} is within {1.5 * self.margin:.1%} of the predicted largest value {int(predicted)}"
+            return None, (f"{best} is within {1.5 * self.margin:.1%} of the predicted largest value "
+                          f"{int(predicted)}")
         if predicted is not None:
             value = min(int(min(predicted, bound + 1) * (1 - self.margin)), hi - 1)
             if value > best:

@@ -413,10 +413,10 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
                                    "text/plain": T.release_text(release_report())}
     monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "widget")
     with capture_output() as cap:
-        w = show(snapshot())
+        assert show(snapshot()) is None                             # no second display as Out[N]
         show(diff(snapshot(), snapshot()))                          # no widget for a diff: HTML
     data = cap.outputs[0].data
-    assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
+    assert re.fullmatch(r"[0-9a-f]{32}", data["application/vnd.jupyter.widget-view+json"]["model_id"])
     assert data["text/plain"] == T.snapshot_text(snapshot()) and "cuda-magic-bar" in data["text/html"]
     assert set(cap.outputs[1].data) == {"text/html", "text/plain"}
     with capture_output() as cap:
@@ -439,7 +439,7 @@ dev = DeviceMemory('sim:0', 'simulated GPU', 'simulated', 8 * GiB, torch_allocat
                    other_this_process=0, other_processes=0, free=7 * GiB, peak=2 * GiB)
 print(display_form())
 """,
-    "w = show(Snapshot([dev], []))",
+    "show(Snapshot([dev], []))",
     """
 handle = show_guard(GuardReport(device='sim:0', before=[dev], variable='bs', original_value=8))
 first = Attempt(8, 'oom', peak=7 * GiB, duration=0.1)

@@ -189,8 +189,9 @@ def guard_devices_html(report) -> str:
                 f'<span style="width:90px;text-align:right;font-variant-numeric:tabular-nums">'
                 f'<b>{format_bytes(value)}</b></span></div>')
         cap = format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
+        measure = "PyTorch allocated" if dev.torch_allocated is not None else "the process's memory"
         blocks.append(f'<div style="margin:4px 0 8px 0"><div><b>{escape(key)}</b> {escape(dev.name)} '
-                      f'<span style="{MUTED}">· {cap} · in use = PyTorch allocated</span></div>{"".join(rows)}</div>')
+                      f'<span style="{MUTED}">· {cap} · in use = {measure}</span></div>{"".join(rows)}</div>')
     return "".join(blocks)
 
 
@@ -204,7 +205,7 @@ def attempts_html(attempts, variable: str | None) -> str:
         row[col] = f'<span style="color:{color};font-weight:600">{escape(row[col])}</span>'
     table = html_table(attempt_headers(variable), rows, {0, col + 1, col + 2}, cls="cuda-magic-attempts-table",
                        raw={col})
-    return "<div><b>Attempts</b></div>" + table
+    return '<div style="margin-top:6px"><b>Attempts</b></div>' + table
 
 
 def diagnosis_html(report) -> str:
@@ -213,7 +214,8 @@ def diagnosis_html(report) -> str:
     if f is not None:
         where = f"line {f.line}" if f.line is not None else "a line not known"
         inside = f" (inside {escape(f.function)})" if f.function else ""
-        out.append(f"<div>Failed at cell {where}{inside}: <code style=\"{CODE}\">{escape(f.text.strip())}</code></div>")
+        code = f'<code style="{CODE}">{escape(f.text.strip())}</code>'
+        out.append(f'<div style="margin-top:6px">Failed at cell {where}{inside}: {code}</div>')
     if report.oom is not None:
         items = oom_items(report.oom)
         out.append(f"<div><b>{escape(oom_title(report.oom))}</b></div>")

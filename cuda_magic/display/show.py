@@ -84,7 +84,8 @@ def publish(bundle: dict, display_id: bool = False):
 def show(obj, *, quiet: bool = False, form: str | None = None):
     """Display a record (snapshot, diff, guard or release report, --watch records, processes).
 
-    Returns the widget when one was displayed (to update it later), else None. `quiet` shows nothing.
+    Returns None (so that `show(x)` as a cell's last line does not display it twice); `quiet` shows
+    nothing. For a live view use show_guard, or build a widget from display.widget and update it.
     """
     if quiet:
         return None
@@ -97,7 +98,7 @@ def show(obj, *, quiet: bool = False, form: str | None = None):
             warnings.warn(f"{exc}; showing HTML instead", stacklevel=2)
         else:
             publish(w.bundle())
-            return w
+            return None
     if form in ("widget", "html") and current_shell() is not None:
         publish({"text/html": html(), "text/plain": text()})
         return None

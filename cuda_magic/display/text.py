@@ -330,7 +330,9 @@ def guard_devices_text(report) -> list[str]:
                      format_bytes(cap)])
     if not rows:
         return []
-    return ["Memory in use (PyTorch allocated; the process's memory on the CPU)"] + table(["device", "before", "peak", "after", "change", "capacity"], rows, right={1, 2, 3, 4, 5})
+    headers = ["device", "before", "peak", "after", "change", "capacity"]
+    return (["Memory in use (PyTorch allocated; the process's memory on the CPU)"]
+            + table(headers, rows, right={1, 2, 3, 4, 5}))
 
 
 def attempt_line(attempt, number: int, variable: str | None) -> str:
@@ -391,7 +393,8 @@ def guard_text(report) -> str:
 def release_text(r) -> str:
     lines = ["Dry run: nothing was changed."] if r.dry_run else []
     if r.freed:
-        lines.append(("Would free " if r.dry_run else "Freed ") + ", ".join(f"{format_bytes(b)} on {k}" for k, b in r.freed.items()))
+        freed = ", ".join(f"{format_bytes(b)} on {k}" for k, b in r.freed.items())
+        lines.append(("Would free " if r.dry_run else "Freed ") + freed)
     elif not r.dry_run:
         lines.append("Freed nothing.")
     for (done, would), names in ((("Dropped", "Would drop"), r.dropped), (("Deleted", "Would delete"), r.deleted),

@@ -25,6 +25,11 @@ def ipywidgets():
     return widgets
 
 
+def fragment(html: str) -> str:
+    """An HTML widget's value: our own font and line height (the widget's default line height is 28px)."""
+    return f'<div style="{H.BOX}">{html}</div>' if html else ""
+
+
 def with_classes(w, *classes: str):
     for cls in classes:
         w.add_class(cls)
@@ -97,14 +102,15 @@ class MemoryBarsWidget(RecordWidget):
         children = []
         for dev in self.devices:
             cap = T.format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
-            head = widgets.HTML(f'<b>{H.escape(dev.key)}</b> {H.escape(dev.name)} '
-                                f'<span style="{H.MUTED}">· {cap}</span>')
+            head = widgets.HTML(fragment(f'<b>{H.escape(dev.key)}</b> {H.escape(dev.name)} '
+                                         f'<span style="{H.MUTED}">· {cap}</span>'))
             bar = bar_widget(dev)
             self.bars.append(bar)
             notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in dev.notes)
-            figures = widgets.HTML(H.legend_html(dev) + f"<div>{H.escape(T.peak_words(dev.peak, dev.peak_exact))}"
-                                   f"</div>{notes}")
-            children.append(with_classes(widgets.VBox([head, bar, figures]), "cuda-magic-device"))
+            peak = f"<div>{H.escape(T.peak_words(dev.peak, dev.peak_exact))}</div>"
+            figures = widgets.HTML(fragment(H.legend_html(dev) + peak + notes))
+            device_box = widgets.VBox([head, bar, figures], layout=widgets.Layout(margin="0 0 8px 0"))
+            children.append(with_classes(device_box, "cuda-magic-device"))
         self.widget.children = children
 
     def text(self) -> str:
@@ -121,9 +127,10 @@ class SnapshotWidget(RecordWidget):
         widgets = ipywidgets()
         self.snapshot = snap
         self.memory = MemoryBarsWidget(snap.device_list)
-        notes = widgets.HTML("".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in snap.notes))
+        notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in snap.notes)
+        notes = widgets.HTML(fragment(notes))
         procs = H.processes_html(snap.processes) if snap.processes else ""
-        tables = widgets.HTML(H.tensors_html(snap) + procs)
+        tables = widgets.HTML(fragment(H.tensors_html(snap) + procs))
         self.memory.widget.remove_class("cuda-magic-widget")
         self.widget = with_classes(widgets.VBox([notes, self.memory.widget, tables]),
                                    "cuda-magic-widget", "cuda-magic-snapshot")
@@ -155,7 +162,7 @@ class GuardWidget(RecordWidget):
 
     @staticmethod
     def _show(w, value: str) -> None:
-        w.value = value
+        w.value = fragment(value)
         w.layout.display = None if value else "none"
 
     def add_attempt(self, attempt) -> None:
@@ -205,11 +212,12 @@ class WatchWidget(RecordWidget):
 
     def _render(self) -> None:
         if len(self.records) == 1:
-            self.table.value = (f'<div style="font-size:12.5px;{H.MUTED}">'
-                                f'{H.escape(T.watch_line(self.records[0]))}</div>')
+            line = H.escape(T.watch_line(self.records[0]))
+            self.table.value = fragment(f'<div style="font-size:12.5px">{line}</div>')
             return
         rows = H.watch_rows(self.records)
-        self.table.value = H.html_table(["cell", "device", "allocated", "peak", "duration"], rows, {0, 2, 3, 4})
+        self.table.value = fragment(H.html_table(["cell", "device", "allocated", "peak", "duration"], rows,
+                                                 {0, 2, 3, 4}))
 
     def text(self) -> str:
         if len(self.records) == 1:

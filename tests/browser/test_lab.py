@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 
-def _screenshot_paths(name: str, tmp_path: Path) -> dict[str, Path]:
+def _screenshot_paths(name: str) -> dict[str, Path]:
     """README figures go to docs/ with CUDA_MAGIC_SCREENSHOT=1, else to an artifact folder
     (CUDA_MAGIC_ARTIFACTS, default artifacts/browser) so a CI run can be looked at."""
     if os.environ.get("CUDA_MAGIC_SCREENSHOT") == "1":
@@ -103,8 +103,8 @@ def test_harness_reports_errors(tmp_path):
 
 
 @pytest.mark.skipif(not DEMO.exists(), reason="demo.ipynb not written yet")
-def test_demo_renders_widgets(tmp_path):
-    shots = _screenshot_paths("widget-oom", tmp_path)
+def test_demo_renders_widgets():
+    shots = _screenshot_paths("widget-oom")
     with run_notebook_in_lab(DEMO, screenshot=shots["page"], timeout_s=150) as page:
         assert error_outputs(page) == []
         assert page.locator(".cuda-magic-widget").count() >= 1
