@@ -8,19 +8,23 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# These three share their names with the modules that define them. Importing them here binds the
+# package attributes to the functions once; a later `import cuda_magic.release` then finds the module in
+# sys.modules and leaves the attribute alone. The modules import only the standard library.
+from .explain import explain  # noqa: E402
+from .release import release  # noqa: E402
+from .snapshot import snapshot  # noqa: E402
+
 _API = {
-    "snapshot": ("cuda_magic.snapshot", "snapshot"),
     "diff": ("cuda_magic.model", "diff"),
-    "release": ("cuda_magic.release", "release"),
     "is_oom": ("cuda_magic.oom", "is_oom"),
-    "explain": ("cuda_magic.explain", "explain"),
     "oomguard": ("cuda_magic.api", "oomguard"),
     "SimulatedDevice": ("cuda_magic.simulated", "SimulatedDevice"),
     "simulated_device": ("cuda_magic.simulated", "simulated_device"),
     "parse_size": ("cuda_magic.units", "parse_size"),
 }
 
-__all__ = sorted(_API) + ["load_ipython_extension", "unload_ipython_extension"]
+__all__ = sorted([*_API, "explain", "release", "snapshot", "load_ipython_extension", "unload_ipython_extension"])
 
 
 def __getattr__(name: str):

@@ -5,8 +5,10 @@ and dict items, attributes, the output cache, the last error's traceback). Holds
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import types
+from itertools import chain
 
 from .model import TensorRecord
 
@@ -15,11 +17,10 @@ _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None
                      types.ModuleType, types.CodeType, property, staticmethod, classmethod,
                      type(Ellipsis), memoryview})
 _LARGE = 64                 # containers longer than this are first probed by _holds_only_data
-# Types whose objects refer to nothing (gc.get_referents gives []), and the exact container types whose
-# items the probe follows: a subtree made of these alone can hold no tensor.
-_LEAF = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, type(Ellipsis)})
-_PLAIN = frozenset({list, tuple, dict, set, frozenset})
-_LEAF_OR_PLAIN = _LEAF | _PLAIN
+# The exact container types whose items the probe follows: a subtree of these and atoms holds no tensor.
+_SEQUENCES = frozenset({list, tuple, set, frozenset})
+_DICT = frozenset({dict})
+_PLAIN = _SEQUENCES | _DICT
 _ATOMIC_OR_PLAIN = _ATOMIC | _PLAIN
 MAX_VISITS = 400_000        # the namespace walk stops here (names then may be incomplete)
 MAX_DEPTH = 8
@@ -137,20 +138,31 @@ def _holds_only_data(obj, levels: int) -> bool:
     """Whether a plain container holds, `levels` levels down, only atomic values and plain containers.
 
     Such a subtree has no tensor, module or object with attributes for the walk to name, so the walk
-    skips it. Breadth first, one level at a time, with gc.get_referents and set(map(type, ...)) doing the
-    work in C: a list of a million rows costs milliseconds instead of a million Python calls. Dict keys
-    are followed too (the walk ignores them), which can only make the answer False, never wrongly True.
+    skips it. Breadth first, one level at a time, in C (chain, filter, set(map(type, ...))): a list of a
+    million rows costs milliseconds instead of a million Python calls. Objects the garbage collector does
+    not track are dropped at once: atoms, and tuples and dicts that hold only atoms, which is how CPython
+    untracks them; a tensor is always tracked.
     """
-    level = [obj]
-    for _ in range(levels):
-        level = gc.get_referents(*level)
-        kinds = set(map(type, level))
-        if kinds <= _LEAF:
-            return True
-        if not kinds <= _ATOMIC_OR_PLAIN:
-            return False
-        if not kinds <= _LEAF_OR_PLAIN:   # functions, classes, modules: atomic to the walk, not followed
-            level = [o for o in level if type(o) in _PLAIN]
+    level, kinds = [obj], {type(obj)}
+    try:
+        for _ in range(levels):
+            if kinds <= _SEQUENCES:
+                items = chain.from_iterable(level)
+            elif kinds == _DICT:
+                items = chain.from_iterable(map(dict.values, level))   # the walk names values, not keys
+            else:
+                items = chain.from_iterable(o.values() if type(o) is dict else o for o in level)
+            level = list(filter(gc.is_tracked, items))
+            if not level:
+                return True
+            kinds = set(map(type, level))
+            if not kinds <= _ATOMIC_OR_PLAIN:
+                return False
+            if not kinds <= _PLAIN:   # functions, classes, modules: atomic to the walk, not followed
+                level = [o for o in level if type(o) in _PLAIN]
+                kinds &= _PLAIN
+    except RuntimeError:   # another thread changed a dict or set meanwhile: let the walk decide
+        return False
     return True   # deeper than the walk goes: it would name nothing there
 
 
@@ -166,6 +178,16 @@ def last_error_traceback():
     return tb or getattr(sys, "last_traceback", None)
 
 
+def _machinery_dirs() -> tuple[str, ...]:
+    """Folders of IPython and of this package: their frames in a traceback (the shell's `self` in
+    run_code) reach everything, so walking them would name tensors by IPython's internals."""
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    ipython = sys.modules.get("IPython")
+    if getattr(ipython, "__file__", None):
+        dirs.append(os.path.dirname(os.path.abspath(ipython.__file__)))
+    return tuple(d + os.sep for d in dirs)
+
+
 def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dict | None = None):
     """Live storages (largest first) with the names that reach them, and bytes per device.
 
@@ -178,10 +200,12 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     tensors = [o for o in gc.get_objects() if type(o) in ttypes]
     by_id: dict[int, int] = {}
     records: dict[int, TensorRecord] = {}
+    strided = torch.strided
+    dtype_texts: dict = {}     # torch.float32 -> 'float32', computed once per dtype, not per tensor
+    device_texts: dict = {}
     for t in tensors:
         try:
-            dev = t.device
-            if dev.type == "meta" or t.layout != torch.strided:
+            if t.is_meta or t.layout != strided:
                 continue
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -189,14 +213,20 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         key = storage._cdata
         by_id[id(t)] = key
         rec = records.get(key)
-        is_base = t._base is None
         if rec is None:
-            records[key] = TensorRecord(key, [], tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                                        str(dev), int(storage.nbytes()), t.grad_fn is not None, 1)
+            dtype, dev = t.dtype, t.device
+            dtype_text = dtype_texts.get(dtype)
+            if dtype_text is None:
+                dtype_text = dtype_texts[dtype] = str(dtype).replace("torch.", "")
+            dev_text = device_texts.get(dev)
+            if dev_text is None:
+                dev_text = device_texts[dev] = str(dev)
+            records[key] = TensorRecord(key, [], tuple(t.shape), dtype_text, dev_text,
+                                        int(storage.nbytes()), t.grad_fn is not None, 1)
         else:
             rec.views += 1
             rec.grad_fn = rec.grad_fn or t.grad_fn is not None
-            if is_base:
+            if t._base is None:
                 rec.shape = tuple(t.shape)
     del tensors
     names: dict[int, list[str]] = {}
@@ -213,9 +243,11 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             for n, value in list(out_cache.items()):
                 namer.walk(value, f"Out[{n}]")
         tb = traceback if traceback is not None else last_error_traceback()
+        machinery = _machinery_dirs()
         while tb is not None:
             frame = tb.tb_frame
-            if namespace is None or frame.f_globals is not frame.f_locals:
+            if (namespace is None or frame.f_globals is not frame.f_locals) \
+                    and not frame.f_code.co_filename.startswith(machinery):
                 for var, value in list(frame.f_locals.items()):
                     namer.walk(value, f"last error traceback ({var} in {frame.f_code.co_name})")
             tb = tb.tb_next

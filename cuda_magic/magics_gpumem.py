@@ -63,7 +63,13 @@ class GpumemMagics(Magics):
                     show(change)
                 return change if args.output else None
         if not args.quiet:
-            show(snap)
+            from dataclasses import replace
+
+            # the process list is what --processes asks for: without it, the snapshot is shown without it
+            show(snap if args.processes else replace(snap, processes=[]))
+            if args.processes and not snap.processes:
+                print("No GPU processes listed" + ("." if any(d.kind == "cuda" for d in snap.device_list)
+                                                   else ": no NVML GPU here."))
         return snap if args.output else None
 
     def _simulate(self, capacity, quiet: bool) -> None:

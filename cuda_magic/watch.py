@@ -139,7 +139,7 @@ class CellWatcher:
                 after, peak = self._proc.rss_and_peak()
                 exact, key = False, "cpu"
             delta = (after - before) if after is not None and before is not None else None
-            record = CellRecord(cell=getattr(self.shell, "execution_count", len(self.records) + 1) - 1,
+            record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
                                 device=key)
             self.records.append(record)
@@ -152,3 +152,13 @@ class CellWatcher:
         if not getattr(self, "_noted", False):
             self._noted = True
             print(f"[gpumem --watch] could not read memory: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _cell_number(shell, result, fallback: int) -> int:
+    """The cell's own execution count: the ExecutionResult's, which IPython sets whether or not the cell
+    is stored in history (the shell's counter is already one ahead in IPython 9, and not in IPython 8)."""
+    number = getattr(result, "execution_count", None)
+    if isinstance(number, int):
+        return number
+    count = getattr(shell, "execution_count", None)
+    return count - 1 if isinstance(count, int) else fallback

@@ -364,10 +364,10 @@ def test_watch_widget_rows():
 
 @pytest.fixture
 def shell(monkeypatch):
-    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.testing.globalipapp import get_ipython
 
     monkeypatch.delenv("CUDA_MAGIC_DISPLAY", raising=False)
-    return InteractiveShell.instance()
+    return get_ipython()   # the one shell singleton every test file shares
 
 
 def test_show_in_a_plain_shell_prints_text(shell, capsys):

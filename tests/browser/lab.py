@@ -299,3 +299,24 @@ def error_outputs(page) -> list[str]:
           return found;
         }"""
     )
+
+
+def save_element_screenshot(locator, path: Path, *, pad_px: int = 8) -> Path:
+    """Screenshot one element with a white margin around it (an element screenshot alone
+    cuts text flush at its edges)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    locator.scroll_into_view_if_needed()
+    box = locator.bounding_box()
+    viewport = locator.page.viewport_size
+    # JupyterLab never scrolls the page itself (its panels scroll), so the element's
+    # viewport coordinates are page coordinates.
+    left, top = max(0, box["x"] - pad_px), max(0, box["y"] - pad_px)
+    clip = {
+        "x": left,
+        "y": top,
+        "width": min(viewport["width"], box["x"] + box["width"] + pad_px) - left,
+        "height": min(viewport["height"], box["y"] + box["height"] + pad_px) - top,
+    }
+    locator.page.screenshot(path=str(path), clip=clip)
+    return path

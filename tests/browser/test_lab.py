@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import CHROMIUM, error_outputs, run_notebook_in_lab
+from lab import CHROMIUM, error_outputs, run_notebook_in_lab, save_element_screenshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO = REPO_ROOT / "demo.ipynb"
@@ -126,10 +126,7 @@ def test_demo_renders_widgets():
         widget = page.locator(".cuda-magic-widget:has(.cuda-magic-diagnosis)")
         if widget.count() == 0:
             widget = page.locator(".jp-OutputArea-output:has(.cuda-magic-diagnosis)")
-        widget = widget.first
-        widget.scroll_into_view_if_needed()
-        shots["widget"].parent.mkdir(parents=True, exist_ok=True)
-        widget.screenshot(path=str(shots["widget"]))
+        save_element_screenshot(widget.first, shots["widget"])
 
     for path in shots.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

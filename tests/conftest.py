@@ -1,0 +1,128 @@
+"""Shared fixtures: a real IPython shell with cuda_magic loaded, left clean after every test."""
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+
+OUR_MAGICS = {"line": {"gpumem", "oomguard", "freecuda"}, "cell": {"oomguard"}}
+
+
+@pytest.fixture(scope="session")
+def global_ip():
+    """IPython's global test shell (a real TerminalInteractiveShell), made once per session."""
+    from IPython.testing.globalipapp import get_ipython
+
+    return get_ipython()
+
+
+@pytest.fixture(scope="session")
+def torch_warm():
+    """torch imported, and the simulated device's first use (torch loads its meta kernels) paid once."""
+    import torch
+
+    from cuda_magic.simulated import SimulatedDevice
+
+    with SimulatedDevice(1 << 20):
+        torch.zeros(4) + torch.ones(4)
+    return torch
+
+
+def _clean_notebook_refs(ip) -> None:
+    """Drop what IPython keeps from earlier cells: last error, stored traceback, output cache."""
+    for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, attr):
+            delattr(sys, attr)
+    ip.InteractiveTB.tb = None
+    ip.last_execution_result = None
+    ip.history_manager.output_hist.clear()
+    for name in ("_", "__", "___"):
+        setattr(ip.displayhook, name, "")
+        for ns in (ip.user_ns, ip.user_ns_hidden):
+            if name in ns:
+                ns[name] = ""
+
+
+def unload_everything(ip) -> None:
+    """`%oomguard off`, stop the simulated session, `%unload_ext`: what a test may have turned on."""
+    from cuda_magic.simulated import stop_session
+
+    if "cuda_magic" in ip.extension_manager.loaded:
+        ip.run_line_magic("oomguard", "off")
+        ip.run_line_magic("unload_ext", "cuda_magic")
+    stop_session()
+
+
+@pytest.fixture
+def bare_ip(global_ip):
+    """The real shell without cuda_magic loaded; every user variable a test adds is removed afterwards."""
+    ip = global_ip
+    unload_everything(ip)
+    names_before = set(ip.user_ns)
+    hidden_before = set(ip.user_ns_hidden)
+    custom_before = (ip.custom_exceptions, ip.CustomTB)
+    callbacks_before = {k: list(v) for k, v in ip.events.callbacks.items()}
+    try:
+        yield ip
+    finally:
+        unload_everything(ip)
+        for name in set(ip.user_ns) - names_before:
+            del ip.user_ns[name]
+        for name in set(ip.user_ns_hidden) - hidden_before:
+            del ip.user_ns_hidden[name]
+        _clean_notebook_refs(ip)
+        # a test that failed half-way must not leave hooks for the next one
+        ip.custom_exceptions, ip.CustomTB = custom_before
+        for event, cbs in ip.events.callbacks.items():
+            cbs[:] = callbacks_before.get(event, [])
+        gc.collect()
+
+
+@pytest.fixture
+def ip(bare_ip):
+    """The real shell with `%load_ext cuda_magic` done."""
+    bare_ip.run_line_magic("load_ext", "cuda_magic")
+    return bare_ip
+
+
+@pytest.fixture
+def tip(ip, torch_warm):
+    """The loaded shell with `torch` and `weakref` imported in the user namespace."""
+    ip.run_cell("import torch, weakref, gc")
+    return ip
+
+
+def run_ok(ip, cell: str, *, store_history: bool = False):
+    """Run a cell that must succeed; its error, if any, fails the test with the cell's own exception."""
+    result = ip.run_cell(cell, store_history=store_history)
+    if not result.success:
+        raise AssertionError(f"cell failed: {result.error_before_exec or result.error_in_exec!r}\n{cell}")
+    return result
+
+
+@pytest.fixture
+def fresh_nvml(monkeypatch):
+    """A new NVML singleton for this test (the module's one remembers its first failure)."""
+    from cuda_magic import nvml
+
+    monkeypatch.setattr(nvml, "_nvml", nvml.Nvml())
+    yield
+    nvml.get_nvml().shutdown()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, fresh_nvml):
+    """A machine without a GPU, also on one that has a GPU: NVML's library is not found, and torch has
+    not initialised CUDA (a test that needs that is skipped)."""
+    import pynvml
+
+    def not_found():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", not_found)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        pytest.skip("torch has initialised CUDA in this process")
+    if torch is not None and torch.backends.mps.is_available():
+        pytest.skip("an Apple MPS device is present")

@@ -1,0 +1,199 @@
+"""`%gpumem` in a real IPython shell on a machine without a GPU (NVML faked absent where there is one)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from conftest import run_ok
+from IPython.core.error import UsageError
+
+pytestmark = pytest.mark.usefixtures("no_gpu")
+
+
+def _row(snap, name):
+    """The tensor record one of whose names is exactly `name`."""
+    found = [t for t in snap.tensor_list if name in t.names]
+    assert len(found) == 1, (name, [t.names for t in snap.tensor_list])
+    return found[0]
+
+
+def test_cpu_only_prints_one_line_note_and_the_cpu_view(tip, capsys):
+    capsys.readouterr()
+    tip.run_line_magic("gpumem", "")
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "No GPU found" in line]
+    assert len(notes) == 1
+    assert "CPU memory" in out
+    assert "Traceback" not in out
+
+
+def test_tensor_and_its_view_are_one_row_with_both_names(tip):
+    run_ok(tip, "x = torch.zeros(1000, 250)\nv = x[:10]")
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    row = _row(snap, "x")
+    assert set(row.names) >= {"x", "v"}
+    assert row.nbytes == 1000 * 250 * 4 and row.views == 2 and row.shape == (1000, 250)
+    frame = snap.tensors
+    line = frame[frame["names"].str.contains(r"\bx\b")]
+    assert len(line) == 1 and "v" in line.iloc[0]["names"].split(", ")
+
+
+def test_snapshot_holds_no_reference_to_tensors(tip):
+    run_ok(tip, "x = torch.zeros(1000, 250)\nv = x[:10]\nwx = weakref.ref(x)\nws = weakref.ref(x.untyped_storage())")
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    assert snap.tensor_count >= 1
+    run_ok(tip, "del x, v")
+    gc.collect()
+    assert tip.user_ns["wx"]() is None
+    assert tip.user_ns["ws"]() is None
+    assert _row(snap, "x").nbytes == 1_000_000    # the snapshot itself still reads fine
+
+
+def test_names_of_params_optimizer_state_and_list_items(tip):
+    run_ok(tip, "model = torch.nn.Sequential()\nmodel.fc = torch.nn.Linear(16, 8)\n"
+                "opt = torch.optim.Adam(model.parameters())\n"
+                "model.fc(torch.ones(2, 16)).sum().backward()\nopt.step()\n"
+                "losses = [torch.full((7 + i,), float(i)) for i in range(5)]")
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    assert _row(snap, "model.fc.weight").shape == (8, 16)
+    assert _row(snap, "model.fc.weight.grad").shape == (8, 16)
+    state_names = [n for t in snap.tensor_list for n in t.names if n.startswith("opt.state[")]
+    assert "opt.state[model.fc.weight]['exp_avg']" in state_names
+    assert "opt.state[model.fc.bias]['exp_avg_sq']" in state_names
+    assert _row(snap, "losses[3]").shape == (10,)
+
+
+def test_output_cache_is_named_out_n(tip):
+    result = run_ok(tip, "torch.full((33, 3), 2.0)", store_history=True)
+    n = result.execution_count
+    del result
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    row = _row(snap, f"Out[{n}]")
+    assert row.shape == (33, 3)
+
+
+def test_last_error_traceback_names_a_failed_functions_tensor(tip):
+    result = tip.run_cell("def f():\n    held = torch.ones(321, 5)\n    raise ValueError('boom')\nf()",
+                          store_history=True)
+    assert not result.success
+    del result
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    rows = [t for t in snap.tensor_list if t.shape == (321, 5)]
+    assert len(rows) == 1
+    assert any(n.startswith("last error traceback") and "held" in n for n in rows[0].names)
+    # only the user's frames are walked: IPython's machinery does not name anything
+    assert not any("run_code" in n for t in snap.tensor_list for n in t.names)
+
+
+def test_tables_are_dataframes_with_integer_bytes_and_parts_add_up(tip):
+    run_ok(tip, "a = torch.zeros(100)")
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "b = torch.zeros(256, 256)")
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    import pandas as pd
+
+    devices, tensors = snap.devices, snap.tensors
+    assert isinstance(devices, pd.DataFrame) and isinstance(tensors, pd.DataFrame)
+    for col in ("capacity", "torch_allocated", "torch_cached", "other_this_process", "other_processes", "free"):
+        assert devices[col].dtype.kind == "i", col
+    assert tensors["bytes"].dtype.kind == "i"
+    assert set(devices["device"]) == {"sim:0", "cpu"}
+    for dev in snap.device_list:
+        assert sum(dev.parts().values()) == dev.capacity, dev
+    sim = snap.device("sim:0")
+    assert sim.capacity == 64 * 2**20 and sim.torch_allocated == 256 * 256 * 4 and sim.peak_exact
+
+
+def test_top_n(tip, capsys):
+    run_ok(tip, "ts = [torch.zeros(1000 * (i + 1), dtype=torch.uint8) for i in range(5)]")
+    capsys.readouterr()
+    tip.run_line_magic("gpumem", "-n 0")
+    out = capsys.readouterr().out
+    assert "ts[" not in out and "Top " not in out
+    tip.run_line_magic("gpumem", "-n 3")
+    out = capsys.readouterr().out
+    assert "Top 3 tensors" in out
+    assert "ts[4]" in out and "ts[3]" in out and "ts[2]" in out
+    assert "ts[1]" not in out and "ts[0]" not in out
+
+
+def test_diff_shows_tensors_that_appeared_and_went(tip):
+    run_ok(tip, "old = torch.zeros(300)")
+    tip.run_line_magic("gpumem", "-q")
+    run_ok(tip, "del old\nnew = torch.zeros(500)")
+    change = tip.run_line_magic("gpumem", "--diff -o -q")
+    assert [t.names for t in change.appeared if t.shape == (500,)] == [["new"]]
+    assert [t.names for t in change.went if t.shape == (300,)] == [["old"]]
+    cpu = [d for d in change.device_deltas if d.key == "cpu"]
+    assert len(cpu) == 1 and "torch_allocated" in cpu[0].changes
+
+
+def test_watch_records_each_cell_with_the_exact_peak(tip, capsys):
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "base = torch.zeros(1000)")
+    tip.run_line_magic("gpumem", "--watch -q")
+    first = run_ok(tip, "t = torch.empty(2**20, dtype=torch.uint8)\ndel t", store_history=True)
+    second = run_ok(tip, "kept = torch.zeros(256)", store_history=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[gpumem]")]
+    assert len(lines) == 2
+    tip.run_line_magic("gpumem", "--unwatch -q")
+    run_ok(tip, "after = torch.zeros(10)")
+    history = tip.run_line_magic("gpumem", "--history -o")
+    import pandas as pd
+
+    assert isinstance(history, pd.DataFrame)
+    assert list(history["cell"]) == [first.execution_count, second.execution_count]
+    assert list(history["device"]) == ["sim:0", "sim:0"]
+    assert list(history["peak"]) == [4000 + 2**20, 4000 + 1024]
+    assert list(history["allocated_delta"]) == [0, 1024]
+    assert all(history["peak_exact"])
+    assert "[gpumem]" not in capsys.readouterr().out
+
+
+def test_simulate_counts_tensors_of_later_cells_until_off(tip, capsys):
+    tip.run_line_magic("gpumem", "--simulate 64MiB")
+    assert "Simulated device on" in capsys.readouterr().out
+    run_ok(tip, "w = torch.zeros(1024, 1024)")
+    snap = tip.run_line_magic("gpumem", "-o")
+    out = capsys.readouterr().out
+    assert "sim:0" in out and "64.00 MiB" in out
+    assert snap.device("sim:0").torch_allocated == 4 * 2**20
+    tip.run_line_magic("gpumem", "--simulate off")
+    assert "Simulated device off" in capsys.readouterr().out
+    run_ok(tip, "w2 = torch.zeros(1024)")
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    assert snap.device("sim:0") is None
+    assert "sim:0" not in list(snap.devices["device"])
+
+
+def test_device_filter(tip):
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    snap = tip.run_line_magic("gpumem", "-d sim -o -q")
+    assert [d.key for d in snap.device_list] == ["sim:0"]
+    snap = tip.run_line_magic("gpumem", "-d 0 -o -q")     # index 0: the only GPU-like device here
+    assert [d.key for d in snap.device_list] == ["sim:0"]
+    snap = tip.run_line_magic("gpumem", "-d cpu -o -q")
+    assert [d.key for d in snap.device_list] == ["cpu"]
+
+
+def test_processes_runs_without_gpu(tip, capsys):
+    capsys.readouterr()
+    tip.run_line_magic("gpumem", "--processes")
+    out = capsys.readouterr().out
+    assert "No GPU processes listed" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("line", [
+    "--bogus", "-n abc", "-n -5", "-d 3", "-d cuda:7", "--watch --unwatch", "--simulate 12XB",
+    "--simulate 0", "--simulate -5GiB", "-d nonsense",
+])
+def test_bad_flags_are_one_line_usage_errors(ip, line):
+    from cuda_magic.simulated import active_device
+
+    with pytest.raises(UsageError) as excinfo:
+        ip.run_line_magic("gpumem", line)
+    assert type(excinfo.value) is UsageError
+    assert "\n" not in str(excinfo.value).strip()
+    assert active_device() is None

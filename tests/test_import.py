@@ -1,0 +1,44 @@
+"""Importing cuda_magic and loading the extension stay cheap: no torch, pandas, ipywidgets or pynvml."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("torch", "pandas", "ipywidgets", "pynvml")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    probe = code + f"\nimport sys, json\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_loads_no_heavy_module():
+    assert _heavy_modules_after("import cuda_magic") == []
+
+
+def test_public_api_names_resolve_lazily():
+    code = "import cuda_magic\nassert callable(cuda_magic.parse_size)\nassert 'load_ipython_extension' in dir(cuda_magic)"
+    assert _heavy_modules_after(code) == []
+
+
+def test_load_ext_in_a_fresh_shell_loads_no_heavy_module():
+    code = (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.run_line_magic('load_ext', 'cuda_magic')\n"
+        "assert 'gpumem' in ip.magics_manager.magics['line']\n"
+        "assert 'oomguard' in ip.magics_manager.magics['cell']\n"
+    )
+    assert _heavy_modules_after(code) == []
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    code = (
+        "import cuda_magic\n"
+        "try:\n    cuda_magic.no_such_thing\nexcept AttributeError as e:\n    assert 'no_such_thing' in str(e)\n"
+        "else:\n    raise SystemExit('no AttributeError')\n"
+    )
+    assert _heavy_modules_after(code) == []
