@@ -71,8 +71,10 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             def call():
                 return func(*bound.args, **bound.kwargs)
 
-            result, report = self._run(call, arguments)
-            wrapper.last_report = report
+            try:
+                result, _ = self._run(call, arguments)
+            finally:
+                wrapper.last_report = self.report
             return result
 
         wrapper.last_report = None
@@ -89,6 +91,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
                                     lambda text, cap: parse_size(text, cap))
         report = GuardReport(device=meter.key, variable=self.retry, accumulate=self.accumulate, limit=limit)
         report.before = _device_records(read_devices, meter)
+        self.report = report
         from .display.show import show_guard
 
         handle = show_guard(report, quiet=self.quiet)

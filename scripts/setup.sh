@@ -11,5 +11,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
     --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import cuda_magic, torch, IPython, ipywidgets, pandas, nbclient" 
-# Debian's chromium for the browser test (never `playwright install`).
-if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
+
+

@@ -121,12 +121,25 @@ def test_top_n(tip, capsys):
 def test_diff_shows_tensors_that_appeared_and_went(tip):
     run_ok(tip, "old = torch.zeros(300)")
     tip.run_line_magic("gpumem", "-q")
-    run_ok(tip, "del old\nnew = torch.zeros(500)")
+    run_ok(tip, "new = torch.zeros(500)\ndel old")
     change = tip.run_line_magic("gpumem", "--diff -o -q")
     assert [t.names for t in change.appeared if t.shape == (500,)] == [["new"]]
     assert [t.names for t in change.went if t.shape == (300,)] == [["old"]]
     cpu = [d for d in change.device_deltas if d.key == "cpu"]
     assert len(cpu) == 1 and "torch_allocated" in cpu[0].changes
+
+
+@pytest.mark.xfail(strict=True, reason="model.diff keys tensors by storage_id alone: a storage created "
+                   "where a freed one was (same StorageImpl address) is taken for the old one")
+def test_diff_sees_a_new_storage_at_a_freed_ones_address(tip):
+    run_ok(tip, "old = torch.zeros(300)")
+    tip.run_line_magic("gpumem", "-q")
+    run_ok(tip, "old_id = old.untyped_storage()._cdata\ndel old\nnew = torch.zeros(500)\n"
+                "reused = new.untyped_storage()._cdata == old_id")
+    if not tip.user_ns["reused"]:
+        pytest.skip("the allocator did not reuse the address this time")
+    change = tip.run_line_magic("gpumem", "--diff -o -q")
+    assert [t.names for t in change.appeared if t.shape == (500,)] == [["new"]]
 
 
 def test_watch_records_each_cell_with_the_exact_peak(tip, capsys):

@@ -1,0 +1,221 @@
+"""The simulated device counts exactly what is alive: checked against the storages the garbage collector
+finds, after sequences of real torch operations."""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from cuda_magic.simulated import SimulatedDevice, simulated_device  # noqa: E402
+
+
+class Ledger:
+    """The storages created while a device was active, as gc finds them (keyed by StorageImpl address).
+
+    The tensors alive before are kept alive here, so that no new storage can take one of their addresses.
+    """
+
+    def __init__(self):
+        gc.collect()
+        self.before = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+        self.before_keys = {t.untyped_storage()._cdata for t in self.before if t.device.type == "cpu"}
+
+    def live(self) -> dict[int, int]:
+        gc.collect()
+        found = {}
+        for o in gc.get_objects():
+            if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":
+                storage = o.untyped_storage()
+                if storage._cdata not in self.before_keys:
+                    found[storage._cdata] = storage.nbytes()
+        return found
+
+    def check(self, dev: SimulatedDevice) -> None:
+        live = self.live()
+        assert dev.allocated == sum(live.values()), (dev.allocated, live, dev._live)
+        assert dev._live == live
+
+
+@pytest.fixture
+def ledger(torch_warm):
+    book = Ledger()
+    yield book
+    book.before.clear()
+
+
+def test_creates_views_inplace_out_and_deletes(ledger):
+    with SimulatedDevice(1 << 30) as dev:
+        a = torch.randn(100, 100)
+        ledger.check(dev)
+        v = a[:10]                       # a view: no new storage
+        a.add_(1)                        # in place: nothing new
+        a.t_()
+        ledger.check(dev)
+        b = torch.empty(0)
+        torch.add(a, a, out=b)           # out= resizes an empty tensor
+        assert b.untyped_storage().nbytes() == 40_000
+        ledger.check(dev)
+        c = torch.tensor([1.0, 2.0, 3.0])
+        d = a.to(torch.float64)
+        e = a.clone()
+        f = torch.cat([a, a])
+        ledger.check(dev)
+        assert dev.allocated == 40_000 * 2 + 12 + 80_000 + 40_000 + 80_000
+        del v, a
+        ledger.check(dev)                # `a` lives on through nothing: its storage is given back
+        del b, c, d, e, f
+        ledger.check(dev)
+        assert dev.allocated == 0
+
+
+def test_autograd_saved_activations_count_until_the_graph_is_freed(ledger):
+    with SimulatedDevice(1 << 30) as dev:
+        x = torch.randn(64, 32)
+        w = torch.randn(32, 16, requires_grad=True)
+        ledger.check(dev)
+        loss = (x @ w).relu().sum()
+        # relu saves its output (64 x 16 floats), alive only inside the graph; the matmul's output is gone
+        assert dev.allocated == 64 * 32 * 4 + 32 * 16 * 4 + 64 * 16 * 4 + 4
+        ledger.check(dev)
+        loss.backward()                  # frees the saved output, creates w.grad
+        assert w.grad is not None
+        assert dev.allocated == 64 * 32 * 4 + 32 * 16 * 4 + 4 + 32 * 16 * 4
+        ledger.check(dev)
+        del loss
+        ledger.check(dev)
+        y = (x @ w).sigmoid()            # graph kept alive by y: sigmoid saves its output, which is y
+        ledger.check(dev)
+        del y
+        ledger.check(dev)
+
+
+def test_peak_is_exact(torch_warm):
+    with SimulatedDevice(1 << 30) as dev:
+        keep = torch.zeros(1000)                      # 4000 bytes
+        dev.reset_peak()
+        tmp = torch.empty(2**20, dtype=torch.uint8)
+        del tmp
+        small = torch.zeros(10)
+        assert dev.peak == 4000 + 2**20
+        assert dev.allocated == 4000 + 40
+        del keep, small
+
+
+def test_freed_bytes_come_back_at_once_without_gc(torch_warm):
+    with SimulatedDevice(1 << 30) as dev:
+        t = torch.zeros(1000)
+        u = t.view(10, 100)
+        gc.disable()
+        try:
+            del t
+            assert dev.allocated == 4000          # a view still holds the storage
+            del u
+            assert dev.allocated == 0
+        finally:
+            gc.enable()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_oom_is_raised_before_allocating(torch_warm):
+    with simulated_device("16GiB") as dev:
+        held = torch.zeros(256)
+        rss = _rss()
+        with pytest.raises(torch.OutOfMemoryError) as excinfo:
+            torch.empty(100 * 2**30, dtype=torch.uint8)
+        assert "CUDA out of memory" in str(excinfo.value)
+        assert "Tried to allocate 100.00 GiB" in str(excinfo.value)
+        # an allocation that would really touch its pages: 2 GiB of ones on a 1 GiB device
+        with dev.limited(2**30):
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.ones(2 * 2**30, dtype=torch.uint8)
+        assert _rss() - rss < 256 * 2**20
+        assert dev.allocated == 1024
+        assert dev.capacity == 16 * 2**30
+        del held
+
+
+def test_oom_on_growth_of_an_out_tensor(torch_warm):
+    with SimulatedDevice(10_000) as dev:
+        a = torch.zeros(1000)                 # 4000 bytes
+        out = torch.empty(0)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.cat([a, a], out=out)        # 8000 more: past 10 000
+        del a, out
+    assert dev.allocated == 0
+
+
+def test_storages_made_before_are_not_counted(torch_warm):
+    before = torch.zeros(1000)
+    with SimulatedDevice(1 << 20) as dev:
+        view = before[:10]
+        before.mul_(2)
+        assert dev.allocated == 0
+        del view
+    del before
+
+
+def test_stop_keeps_giving_back_and_inactive_creation_is_not_counted(torch_warm):
+    dev = SimulatedDevice(1 << 20).start()
+    t = torch.zeros(100)
+    dev.stop()
+    u = torch.zeros(100)
+    assert dev.allocated == 400 and not dev.active
+    del t
+    assert dev.allocated == 0
+    del u
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["new", "view", "inplace", "out", "clone", "cat", "to", "tensor",
+                                           "del", "add"]),
+                          st.integers(1, 64), st.integers(0, 100)), min_size=1, max_size=25)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_random_sequences_match_the_live_storages(torch_warm, ops):
+    ledger = Ledger()
+    with SimulatedDevice(1 << 30) as dev:
+        pool: list = []
+        for op, n, pick in ops:
+            target = pool[pick % len(pool)] if pool else None
+            if op == "new" or target is None:
+                pool.append(torch.zeros(n))
+            elif op == "view":
+                pool.append(target.view(-1)[: max(1, target.numel() // 2)])
+            elif op == "inplace":
+                target.add_(1)
+            elif op == "out":
+                out = torch.empty(0)
+                torch.mul(target, 2, out=out)
+                pool.append(out)
+            elif op == "clone":
+                pool.append(target.clone())
+            elif op == "cat":
+                pool.append(torch.cat([target, target]))
+            elif op == "to":
+                pool.append(target.to(torch.float64))
+            elif op == "tensor":
+                pool.append(torch.tensor([float(i) for i in range(n)]))
+            elif op == "add":
+                pool.append(target + 1)
+            else:
+                pool.pop(pick % len(pool))
+            target = None
+        ledger.check(dev)
+        peak = dev.peak
+        pool.clear()
+        assert dev.allocated == 0
+        assert peak >= dev.allocated
