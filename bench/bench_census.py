@@ -48,11 +48,17 @@ def build_heap(ns: dict, tensors: int, objects: int) -> dict:
     return {"gc_objects": len(gc.get_objects())}
 
 
-def timed(fn) -> float:
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread) of one call."""
     gc.collect()   # untimed: a full collection owed to an earlier method must not land in this one
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - w0, time.thread_time() - c0
+
+
+def sunk(fn, *args):
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*args)
 
 
 def memlab_methods(ns):
@@ -69,8 +75,7 @@ def memlab_methods(ns):
         reporter.get_stats()
 
     def report():
-        with contextlib.redirect_stdout(io.StringIO()):
-            MemReporter(ns["model"]).report()
+        sunk(MemReporter(ns["model"]).report)
 
     try:
         census()
@@ -89,6 +94,7 @@ def main(argv=None) -> int:
     # isinstance() reads __class__ of every object; a few torch objects warn when read that way
     warnings.simplefilter("ignore", FutureWarning)
 
+    os.environ["CUDA_MAGIC_DISPLAY"] = "text"
     import torch
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -103,6 +109,7 @@ def main(argv=None) -> int:
         "bare": lambda: [o for o in gc.get_objects() if isinstance(o, torch.Tensor)],
         "snapshot": lambda: snapshot(shell),
         "gpumem": lambda: shell.run_line_magic("gpumem", "-q"),
+        "gpumem_text": lambda: sunk(shell.run_line_magic, "gpumem", ""),
     }
     peer, note = memlab_methods(ns)
     methods.update(peer)
@@ -115,48 +122,58 @@ def main(argv=None) -> int:
     storages = len(snap.tensor_list)
     del snap
 
-    times = {k: [] for k in methods}
+    wall, cpu = {k: [] for k in methods}, {k: [] for k in methods}
     for _ in range(args.runs):       # interleaved: machine noise falls on every method alike
         for key, fn in methods.items():
-            times[key].append(timed(fn))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    bare = med["bare"]
-    memlab = med.get("memlab_census")
+            w, c = timed(fn)
+            wall[key].append(w)
+            cpu[key].append(c)
+    wall = {k: statistics.median(v) for k, v in wall.items()}
+    cpu = {k: statistics.median(v) for k, v in cpu.items()}
 
     rows = [
         ("bare scan: `[o for o in gc.get_objects() if isinstance(o, torch.Tensor)]`", "bare", "none"),
-        ("cuda_magic census: `snapshot(shell)`", "snapshot",
-         f"{named:,} of {storages:,} storages named"),
-        ("cuda_magic `%gpumem -q` (whole magic)", "gpumem", "same as above"),
-        ("pytorch_memlab `MemReporter(model)` collect_tensor + get_stats", "memlab_census",
-         "model parameters and grads only; others `Tensor<N>`"),
-        ("pytorch_memlab `MemReporter(model).report()` (printing to a sink)", "memlab_report", "as above"),
+        ("cuda_magic census: `snapshot(shell)`", "snapshot", f"{named:,} of {storages:,} storages"),
+        ("cuda_magic `%gpumem -q` (the whole magic)", "gpumem", f"{named:,} of {storages:,} storages"),
+        ("cuda_magic `%gpumem` (text display, printed to a sink)", "gpumem_text", "top 10 shown, all named"),
+        ("pytorch_memlab `MemReporter(model)`: `collect_tensor()` + `get_stats()`", "memlab_census",
+         "parameters and grads; the rest `Tensor<N>`"),
+        ("pytorch_memlab `MemReporter(model).report()` (printed to a sink)", "memlab_report", "as above"),
     ]
-    print(f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`  ")
-    print(f"Heap: {args.tensors:,} tensors in `batches` + an 8-layer MLP with Adam state ({found:,} tensors in "
-          f"all), {args.objects:,} other objects (strings, tuples, dicts, lists); {heap['gc_objects']:,} objects "
-          f"tracked by gc. Median of {args.runs} interleaved runs, each after an untimed gc.collect(). Python {platform.python_version()}, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs.")
+    print(f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}`")
     print()
-    print("| method | median ms | ratio to bare scan | ratio to MemReporter | tensors named |")
-    print("|---|---:|---:|---:|---|")
+    print(f"Heap: {args.tensors:,} tensors in a list + an 8-layer MLP with Adam state ({found:,} tensors), "
+          f"{args.objects:,} other objects (strings, tuples, dicts, lists); {heap['gc_objects']:,} objects "
+          f"tracked by gc. Median of {args.runs} interleaved runs, each after an untimed gc.collect(); "
+          f"CPU = this thread's CPU time (steady on a loaded machine), wall = elapsed. Python "
+          f"{platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs.")
+    print()
+    print("| method | CPU ms | CPU vs bare scan | CPU vs MemReporter | wall ms | wall vs bare scan | "
+          "wall vs MemReporter | tensors named |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for label, key, naming in rows:
-        if key not in med:
-            print(f"| {label} | n/a | n/a | n/a | {note} |")
+        if key not in cpu:
+            print(f"| {label} | n/a | n/a | n/a | n/a | n/a | n/a | {note} |")
             continue
-        vs_memlab = f"{med[key] / memlab:.2f}x" if memlab else "n/a"
-        print(f"| {label} | {med[key] * 1e3:.1f} | {med[key] / bare:.2f}x | {vs_memlab} | {naming} |")
+        cells = []
+        for med in (cpu, wall):
+            peer = med.get("memlab_census")
+            cells += [f"{med[key] * 1e3:.1f}", f"{med[key] / med['bare']:.2f}x",
+                      f"{med[key] / peer:.2f}x" if peer else "n/a"]
+        print(f"| {label} | {' | '.join(cells)} | {naming} |")
     print()
-    ratio = med["snapshot"] / bare
-    print(f"- census / bare scan: {ratio:.2f}x (goal at most {GOAL_VS_BARE}x): "
-          f"{'met' if ratio <= GOAL_VS_BARE else 'MISSED'}")
-    if memlab:
-        print(f"- census / MemReporter: {med['snapshot'] / memlab:.2f}x (goal below 1x): "
-              f"{'met' if med['snapshot'] < memlab else 'MISSED'}")
-    else:
-        print(f"- census / MemReporter: not measured ({note})")
-    print(f"- names: {batch_named:,} of {args.tensors:,} batch tensors as `batches[i]`, {model_named} model "
-          f"storages as `model.*` (parameters, grads), optimizer state as `opt.state[...]`")
+    for what, med in (("CPU", cpu), ("wall", wall)):
+        ratio = med["snapshot"] / med["bare"]
+        line = (f"- {what}: census / bare scan {ratio:.2f}x (goal at most {GOAL_VS_BARE}x: "
+                f"{'met' if ratio <= GOAL_VS_BARE else 'MISSED'})")
+        if "memlab_census" in med:
+            peer = med["snapshot"] / med["memlab_census"]
+            line += f"; census / MemReporter {peer:.2f}x (goal below 1x: {'met' if peer < 1 else 'MISSED'})"
+        else:
+            line += f"; MemReporter not measured: {note}"
+        print(line)
+    print(f"- names: {batch_named:,} of {args.tensors:,} list tensors as `batches[i]`, {model_named} model "
+          f"storages as `model.*` (parameters and their grads), the rest as `opt.state[...]`")
     return 0
 
 

@@ -57,6 +57,49 @@ class ModelRunner:
         return Outcome(True, peak=allocated, baseline=self.baseline, capacity=self.capacity)
 
 
+class SimRunner:
+    """The same kind of cell run for real on cuda_magic's simulated device: a baseline tensor (the model),
+    then per unit of the value an input row, its ReLU and a scaled copy (three live tensors at the peak).
+    The maximum is found by bisection on the runner itself; outcomes are what the device measured."""
+
+    def __init__(self, capacity=64 * MiB, baseline=4 * MiB, row=22400):
+        self.capacity, self.baseline_bytes, self.row = capacity, baseline, row
+        self.maximum = self._largest_fitting()
+
+    def __call__(self, value: int) -> Outcome:
+        import torch
+
+        from cuda_magic.oom import parse_oom_message
+        from cuda_magic.simulated import SimulatedDevice
+
+        dev = SimulatedDevice(self.capacity)
+        with dev:
+            model = torch.empty(self.baseline_bytes, dtype=torch.uint8)
+            baseline = dev.allocated
+            dev.reset_peak()
+            try:
+                x = torch.randn(value, self.row)
+                y = x.relu()
+                z = y * 2
+                del x, y, z
+            except torch.OutOfMemoryError as exc:
+                fields = parse_oom_message(str(exc))
+                return Outcome(False, requested=fields.requested, baseline=baseline,
+                               allocated_at_failure=dev.allocated, capacity=self.capacity)
+            finally:
+                del model
+        return Outcome(True, peak=dev.peak, baseline=baseline, capacity=self.capacity)
+
+    def _largest_fitting(self) -> int:
+        lo, hi = 0, 1
+        while self(hi).ok:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self(mid).ok else (lo, mid)
+        return lo
+
+
 def halving(runner, start: int) -> tuple[int, int | None]:
     """(attempts, value found) for `%%oomguard -r VAR`."""
     return _drive(BatchSearch(start, search=False), runner)
@@ -167,7 +210,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1,
                         help="split the per-unit memory into this many tensors (the OOM then comes earlier)")
+    parser.add_argument("--device", choices=("model", "sim"), default="model",
+                        help="model: the memory model above; sim: real tensors on the simulated device")
     args = parser.parse_args(argv)
+    if args.device == "sim":
+        maximum = SimRunner().maximum
+        rows = run_table(SimRunner)
+        print("note: accelerate is not installed; its column is skipped (pip install accelerate)"
+              if all(r["accelerate"] is None for r in rows) else "", end="")
+        print(f"simulated device: 64 MiB, 4 MiB baseline, per unit three rows of 22400 float32 "
+              f"(maximum {maximum})\n")
+        print(markdown(rows))
+        return
     rows = run_table(lambda: ModelRunner(tensors=args.tensors))
     if all(r["accelerate"] is None for r in rows):
         print("note: accelerate is not installed; its column is skipped (pip install accelerate)")

@@ -88,13 +88,23 @@ class _Namer:
         elif isinstance(obj, self.optim_type):
             self.optimizers.append((name, obj))
         elif cls is list or cls is tuple or isinstance(obj, (list, tuple)):
-            if len(obj) > _LARGE and cls in _PLAIN and _holds_only_data(obj, MAX_DEPTH + 1 - depth):
-                return
+            if len(obj) > _LARGE and cls in _PLAIN:
+                level = list(filter(gc.is_tracked, obj))
+                kinds = set(map(type, level))
+                if kinds <= self.ttypes and len(level) == len(obj):   # only tensors: no walk call per item
+                    add = self.add
+                    for i, item in enumerate(obj):
+                        add(item, f"{name}[{i}]")
+                    return
+                if _holds_only_data(level, kinds, MAX_DEPTH + 1 - depth):
+                    return
             for i, item in enumerate(obj):
                 self.walk(item, f"{name}[{i}]", depth + 1)
         elif isinstance(obj, dict):
-            if len(obj) > _LARGE and cls is dict and _holds_only_data(obj, MAX_DEPTH + 1 - depth):
-                return
+            if len(obj) > _LARGE and cls is dict:
+                level = list(filter(gc.is_tracked, obj.values()))
+                if _holds_only_data(level, set(map(type, level)), MAX_DEPTH + 1 - depth):
+                    return
             for k, v in list(obj.items()):
                 self.walk(v, f"{name}[{_key_text(k)}]", depth + 1)
         elif isinstance(obj, (set, frozenset)):
@@ -134,36 +144,38 @@ class _Namer:
                         self.add(p, f"{name}.param_groups[{g}]['params'][{j}]")
 
 
-def _holds_only_data(obj, levels: int) -> bool:
-    """Whether a plain container holds, `levels` levels down, only atomic values and plain containers.
+def _holds_only_data(level: list, kinds: set, levels: int) -> bool:
+    """Whether a plain container's subtree, `levels` levels down, has only atoms and plain containers.
 
-    Such a subtree has no tensor, module or object with attributes for the walk to name, so the walk
-    skips it. Breadth first, one level at a time, in C (chain, filter, set(map(type, ...))): a list of a
-    million rows costs milliseconds instead of a million Python calls. Objects the garbage collector does
-    not track are dropped at once: atoms, and tuples and dicts that hold only atoms, which is how CPython
-    untracks them; a tensor is always tracked.
+    `level` is the container's items that the garbage collector tracks, `kinds` their types. Untracked
+    objects are atoms, or tuples and dicts holding only atoms (that is when CPython untracks them); a
+    tensor is always tracked. A subtree of atoms and plain containers has no tensor, module or object
+    with attributes for the walk to name, so the walk skips it. Breadth first, one level at a time, the
+    work done in C (chain, filter, set(map(type, ...))): a list of a million rows costs milliseconds
+    instead of a million Python calls.
     """
-    level, kinds = [obj], {type(obj)}
     try:
-        for _ in range(levels):
-            if kinds <= _SEQUENCES:
-                items = chain.from_iterable(level)
-            elif kinds == _DICT:
-                items = chain.from_iterable(map(dict.values, level))   # the walk names values, not keys
-            else:
-                items = chain.from_iterable(o.values() if type(o) is dict else o for o in level)
-            level = list(filter(gc.is_tracked, items))
+        for remaining in range(levels, 0, -1):
             if not level:
                 return True
-            kinds = set(map(type, level))
             if not kinds <= _ATOMIC_OR_PLAIN:
                 return False
             if not kinds <= _PLAIN:   # functions, classes, modules: atomic to the walk, not followed
                 level = [o for o in level if type(o) in _PLAIN]
                 kinds &= _PLAIN
+            if remaining == 1:
+                return True           # the walk would look no deeper
+            if kinds <= _SEQUENCES:
+                items = gc.get_referents(*level)   # exactly their items; faster than chaining them
+            elif kinds == _DICT:
+                items = chain.from_iterable(map(dict.values, level))   # the walk names values, not keys
+            else:
+                items = chain.from_iterable(o.values() if type(o) is dict else o for o in level)
+            level = list(filter(gc.is_tracked, items))
+            kinds = set(map(type, level))
     except RuntimeError:   # another thread changed a dict or set meanwhile: let the walk decide
         return False
-    return True   # deeper than the walk goes: it would name nothing there
+    return True
 
 
 def _key_text(k) -> str:

@@ -18,7 +18,9 @@ class GuardAll:
         shell = self.shell
         self._saved = (shell.custom_exceptions, shell.CustomTB)
         # set_custom_exc matches classes only: message-based OOMs are RuntimeErrors; the rest is forwarded.
-        shell.set_custom_exc((RuntimeError, MemoryError), self._handler)
+        # The classes a handler registered before us keep reaching it (through _forward) while we are on.
+        earlier = tuple(shell.custom_exceptions or ())
+        shell.set_custom_exc((RuntimeError, MemoryError) + earlier, self._handler)
         self.active = True
 
     def stop(self) -> None:
@@ -58,7 +60,7 @@ class GuardAll:
         from .explain import diagnose
         from .guard import failure_point, short_oom_error
         from .oom import oom_fields
-        from .release import device_holders, drop_exception, drop_exception_refs, empty_caches
+        from .release import drop_exception, shared_holders, drop_exception_refs, empty_caches
         from .report import Attempt, GuardReport, OomFields
 
         shell = self.shell
@@ -82,7 +84,7 @@ class GuardAll:
             reserved_before = allocated + (before[0].torch_cached or 0)
             reserved_after = after[0].torch_allocated + (after[0].torch_cached or 0)
             report.reclaimed[key] = max(0, reserved_before - reserved_after)
-        report.diagnosis = diagnose(report.oom, holders=device_holders(shell),
+        report.diagnosis = diagnose(report.oom, holders=shared_holders(shell),
                                     device_capacity=before[0].capacity if before else None,
                                     alloc_conf=current_allocator_conf())
         report.outcome = "oom"

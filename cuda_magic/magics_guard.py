@@ -74,11 +74,7 @@ class GuardMagics(Magics):
         ns = self.shell.user_ns
         variable, accumulate, floor = self._retry_options(args, ns)
         meter, limit = self._meter(args)
-        try:
-            compiled = CompiledCell(self.shell, cell)
-        except SyntaxError:
-            self.shell.showsyntaxerror()
-            return None
+        compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
         from .backends import read_devices
         from .display.show import show_guard
 
@@ -198,10 +194,10 @@ def _show_final(report) -> None:
 def _diagnose(shell, report, args, meter):
     from .allocator_conf import current_allocator_conf
     from .explain import diagnose
-    from .release import device_holders
+    from .release import shared_holders
     from .report import OomFields
 
-    holders = device_holders(shell)
+    holders = shared_holders(shell)
     fields = report.oom or OomFields()
     capacity = None
     try:

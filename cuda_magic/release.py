@@ -191,13 +191,19 @@ def _graph_node_children(node):
     return children
 
 
-def holds_device_memory(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT_DEPTH) -> int:
-    """Bytes of the distinct device storages reachable from obj (each storage counted once)."""
+def device_storages(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT_DEPTH) -> dict[int, int]:
+    """{storage id: bytes} of the distinct device storages reachable from obj."""
     storages: dict[int, int] = {}
     for t in iter_tensors(obj, limit=limit, depth=depth):
         if is_device_tensor(t):
             key, nbytes = storage_key_and_bytes(t)
             storages[key] = nbytes
+    return storages
+
+
+def holds_device_memory(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT_DEPTH) -> int:
+    """Bytes of the distinct device storages reachable from obj (each storage counted once)."""
+    storages = device_storages(obj, limit, depth=depth)
     return sum(storages.values())
 
 
@@ -502,6 +508,28 @@ def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
         nbytes = holds_device_memory(value)
         if nbytes > 0:
             held.append((name, nbytes))
+    held.sort(key=lambda item: (-item[1], item[0]))
+    return held
+
+
+def shared_holders(shell) -> list[tuple[str, int]]:
+    """Like device_holders, but storages shared by several variables (a tensor and its view, a model
+    and its parameter) are counted once: such variables are listed together ("a, b"), largest first."""
+    groups: list[tuple[list[str], dict[int, int]]] = []
+    for name, value in user_variables(shell).items():
+        if isinstance(value, _SKIP_TYPES):
+            continue
+        storages = device_storages(value)
+        if not storages:
+            continue
+        overlapping = [g for g in groups if g[1].keys() & storages.keys()]
+        names, merged = [name], dict(storages)
+        for g in overlapping:
+            names = g[0] + names
+            merged.update(g[1])
+            groups.remove(g)
+        groups.append((names, merged))
+    held = [(", ".join(names), sum(storages.values())) for names, storages in groups]
     held.sort(key=lambda item: (-item[1], item[0]))
     return held
 

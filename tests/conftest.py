@@ -126,3 +126,28 @@ def no_gpu(monkeypatch, fresh_nvml):
         pytest.skip("torch has initialised CUDA in this process")
     if torch is not None and torch.backends.mps.is_available():
         pytest.skip("an Apple MPS device is present")
+
+
+def tensors_reachable(root, ip, limit: int = 200_000) -> list:
+    """Tensors reachable from `root` through gc referents, not going through the shell, namespaces,
+    modules, classes, functions or a frame's callers (those reach every user variable by design)."""
+    import types
+
+    torch = sys.modules["torch"]
+    blocked = {id(ip), id(ip.user_ns), id(ip.user_global_ns), id(ip.user_ns_hidden), id(sys.modules)}
+    blocked |= {id(vars(m)) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")}
+    skip_types = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+    found, seen, stack = [], set(), [root]
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in blocked or isinstance(obj, skip_types):
+            continue
+        seen.add(id(obj))
+        if issubclass(type(obj), torch.Tensor):
+            found.append(obj)
+            continue
+        if isinstance(obj, types.FrameType):
+            stack.append(obj.f_locals)     # not f_back, f_globals or f_builtins
+            continue
+        stack.extend(gc.get_referents(obj))
+    return found

@@ -212,10 +212,13 @@ def diagnosis_html(report) -> str:
     out = []
     f = report.failure
     if f is not None:
-        where = f"line {f.line}" if f.line is not None else "a line not known"
         inside = f" (inside {escape(f.function)})" if f.function else ""
         code = f'<code style="{CODE}">{escape(f.text.strip())}</code>'
-        out.append(f'<div style="margin-top:6px">Failed at cell {where}{inside}: {code}</div>')
+        if f.line is not None:
+            out.append(f'<div style="margin-top:6px">Failed at cell line {f.line}{inside}: {code}</div>')
+        else:
+            where = escape(f.function or "code outside the cell") + (f" ({escape(f.filename)})" if f.filename else "")
+            out.append(f'<div style="margin-top:6px">Failed in {where}</div>')
     if report.oom is not None:
         items = oom_items(report.oom)
         out.append(f"<div><b>{escape(oom_title(report.oom))}</b></div>")

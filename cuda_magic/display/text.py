@@ -112,7 +112,8 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
 
 def tensor_name(t) -> str:
     names = ", ".join(t.names) if t.names else "(unnamed)"
-    return names + (f" (+{t.views - 1} views)" if t.views > 1 else "")
+    unnamed_views = t.views - max(1, len(t.names))
+    return names + (f" (+{unnamed_views} more views)" if unnamed_views > 0 else "")
 
 
 def short_dtype(dtype: str) -> str:
@@ -365,9 +366,12 @@ def guard_text(report) -> str:
         lines.append(words)
     if report.failure is not None:
         f = report.failure
-        where = f"line {f.line}" if f.line is not None else "a line not known"
         inside = f" (inside {f.function}" + (f" in {f.filename}" if f.filename else "") + ")" if f.function else ""
-        lines.append(f"Failed at cell {where}{inside}: {shorten(f.text, 80)}")
+        if f.line is not None:
+            lines.append(f"Failed at cell line {f.line}{inside}: {shorten(f.text, 80)}")
+        else:
+            lines.append(f"Failed in {f.function or 'code outside the cell'}"
+                         + (f" ({f.filename})" if f.filename else ""))
     if report.oom is not None:
         items = [f"{k} {format_bytes(v)}" for k, v in oom_items(report.oom)]
         lines += wrap_items(oom_title(report.oom) + (":" if items else ""), items)

@@ -1,0 +1,158 @@
+"""What `%gpumem --watch` adds to a trivial cell (`x = 1`), against the same cells without it.
+
+    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 7]
+
+A real IPython shell runs the cell with run_cell, in blocks of --cells cells, the variants interleaved
+round by round (each figure is the median over rounds of a block's time per cell). Modes: CPU only (the
+watcher reads /proc/self/status), a simulated device on (`%gpumem --simulate 1GiB`), and CUDA where torch
+can use it. Variants: without --watch (the baseline); --watch with its per-cell line printed to a sink
+(stdout redirected to io.StringIO: the line is formatted, printing costs nothing); --watch printed to a
+line-buffered /dev/null (one write per line, as on a terminal); and the hooks alone (the watcher's
+on_record set to None, an internal switch, to show what the display costs). Goal: at most 50 us added.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GOAL_US = 50.0
+CELL = "x = 1"
+
+
+def run_block(shell, cells: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per cell over one block of trivial cells."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(cells):
+        shell.run_cell(CELL)
+    return (time.perf_counter() - w0) / cells, (time.thread_time() - c0) / cells
+
+
+def set_watch(shell, variant: str) -> None:
+    from cuda_magic.display.show import show_watch
+    from cuda_magic.state import get_state
+
+    if variant == "off":
+        shell.run_line_magic("gpumem", "--unwatch -q")
+        return
+    shell.run_line_magic("gpumem", "--watch -q")
+    get_state(shell).watcher.on_record = None if variant == "hooks" else show_watch
+
+
+@contextlib.contextmanager
+def stdout_to(target: str):
+    if target == "sink":
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    else:
+        with open(os.devnull, "w", buffering=1) as devnull, contextlib.redirect_stdout(devnull):
+            yield
+
+
+VARIANTS = (   # (key, watch variant, stdout)
+    ("off", "off", "sink"),
+    ("sink", "display", "sink"),
+    ("devnull", "display", "devnull"),
+    ("hooks", "hooks", "sink"),
+    ("off_devnull", "off", "devnull"),
+)
+
+
+def measure_mode(shell, cells: int, rounds: int) -> dict[str, tuple[float, float]]:
+    wall = {k: [] for k, _, _ in VARIANTS}
+    cpu = {k: [] for k, _, _ in VARIANTS}
+    for _ in range(rounds):
+        for key, variant, target in VARIANTS:
+            set_watch(shell, variant)
+            with stdout_to(target):
+                shell.run_cell(CELL)          # a first cell outside the timing
+                w, c = run_block(shell, cells)
+            wall[key].append(w)
+            cpu[key].append(c)
+    set_watch(shell, "off")
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in wall}
+
+
+def cuda_ready() -> str | None:
+    """None when CUDA can be measured, else why not."""
+    import torch
+
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device here"
+        torch.zeros(1, device="cuda")      # initialise CUDA: the watcher reads torch.cuda only then
+        return None
+    except Exception as exc:
+        return f"CUDA unusable: {type(exc).__name__}: {exc}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    os.environ["CUDA_MAGIC_DISPLAY"] = "text"
+
+    import torch
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "cuda_magic")
+    results, skipped = {}, {}
+    results["CPU only"] = measure_mode(shell, args.cells, args.rounds)
+    shell.run_line_magic("gpumem", "--simulate 1GiB -q")
+    results["simulated device (`--simulate 1GiB`)"] = measure_mode(shell, args.cells, args.rounds)
+    shell.run_line_magic("gpumem", "--simulate off -q")
+    why = cuda_ready()
+    if why is None:
+        results["CUDA"] = measure_mode(shell, args.cells, args.rounds)
+    else:
+        skipped["CUDA"] = why
+
+    print(f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}`")
+    print()
+    print(f"A trivial cell `{CELL}` through `shell.run_cell` in a real IPython shell, blocks of {args.cells} "
+          f"cells, median of {args.rounds} interleaved rounds. CPU = this thread's CPU time per cell, wall = "
+          f"elapsed. Python {platform.python_version()}, IPython {_ipython_version()}, torch "
+          f"{torch.__version__}, {os.cpu_count()} CPUs.")
+    print()
+    print("| mode | variant | CPU us/cell | added CPU us | CPU ratio | wall us/cell | added wall us | wall ratio | "
+          f"goal (<= {GOAL_US:.0f} us added) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    labels = {"off": "no --watch (baseline)", "sink": "--watch, line printed to a sink",
+              "devnull": "--watch, line printed to /dev/null (line-buffered)",
+              "hooks": "--watch hooks only (no display)"}
+    for mode, res in results.items():
+        for key in ("off", "hooks", "sink", "devnull"):
+            base = res["off_devnull" if key == "devnull" else "off"]
+            wall, cpu = res[key]
+            if key == "off":
+                print(f"| {mode} | {labels[key]} | {cpu * 1e6:.1f} | - | 1.00x | {wall * 1e6:.1f} | - | 1.00x | |")
+                continue
+            added_cpu, added_wall = (cpu - base[1]) * 1e6, (wall - base[0]) * 1e6
+            verdict = "met" if added_cpu <= GOAL_US else "MISSED"
+            print(f"| {mode} | {labels[key]} | {cpu * 1e6:.1f} | {added_cpu:+.1f} | {cpu / base[1]:.2f}x | "
+                  f"{wall * 1e6:.1f} | {added_wall:+.1f} | {wall / base[0]:.2f}x | {verdict} |")
+    for mode, why in skipped.items():
+        print(f"| {mode} | not measured: {why} | | | | | | | |")
+    print()
+    print("The /dev/null rows are compared with a baseline that also writes to /dev/null.")
+    return 0
+
+
+def _ipython_version() -> str:
+    import IPython
+
+    return IPython.__version__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""`%freecuda` in a real IPython shell: after an unguarded OOM on the simulated device, and on the output
+cache and user variables. Without a GPU the CPU is the device, so CPU tensors count."""
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+from conftest import run_ok
+from IPython.core.error import UsageError
+
+pytestmark = pytest.mark.usefixtures("no_gpu")
+
+STEP = """
+refs = []
+def step(n):
+    act = torch.ones(n, 1024)
+    refs.append(weakref.ref(act))
+    return torch.empty(n * 4096, 1024)
+"""
+
+
+def test_frees_the_failed_frames_tensors_after_an_unguarded_oom(tip, capsys):
+    run_ok(tip, STEP)
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    result = tip.run_cell("out = step(1024)", store_history=True)
+    assert not result.success
+    assert "CUDA out of memory" in str(result.error_in_exec)
+    del result
+    gc.collect()
+    ref = tip.user_ns["refs"][0]
+    assert ref() is not None                      # held by sys.last_*, IPython's traceback, the result
+    capsys.readouterr()
+    report = tip.run_line_magic("freecuda", "-o")
+    assert ref() is None
+    assert report.freed["sim:0"] == 4 * 2**20
+    assert "sys.last_value" in report.dropped and "IPython's stored traceback" in report.dropped
+    assert getattr(sys, "last_value", None) is None
+    assert "Freed" in capsys.readouterr().out
+
+
+def test_a_tensor_held_only_by_the_output_cache(tip):
+    result = run_ok(tip, "torch.ones(1000, 10)", store_history=True)
+    n = result.execution_count
+    del result
+    run_ok(tip, f"ref = weakref.ref(Out[{n}])")
+    gc.collect()
+    assert tip.user_ns["ref"]() is not None
+    report = tip.run_line_magic("freecuda", "-o -q")
+    assert tip.user_ns["ref"]() is None
+    assert f"Out[{n}]" in report.dropped
+    assert n not in tip.user_ns["Out"]
+    assert report.freed["cpu"] == 40_000
+
+
+def test_named_variables_are_deleted(tip):
+    run_ok(tip, "a = torch.ones(100)\nb = torch.ones(50)\nwa = weakref.ref(a)")
+    report = tip.run_line_magic("freecuda", "a -o -q")
+    assert report.deleted == ["a"]
+    assert "a" not in tip.user_ns and "b" in tip.user_ns
+    assert tip.user_ns["wa"]() is None
+    assert ("b", 200) in report.still_held
+
+
+def test_a_missing_name_deletes_nothing(tip):
+    run_ok(tip, "a = torch.ones(100)")
+    with pytest.raises(UsageError) as excinfo:
+        tip.run_line_magic("freecuda", "a nosuch")
+    assert type(excinfo.value) is UsageError
+    assert "nosuch" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert "a" in tip.user_ns
+
+
+def test_offload_keeps_the_data(tip):
+    run_ok(tip, "a = torch.arange(10.)\nmodel = torch.nn.Linear(3, 2)")
+    report = tip.run_line_magic("freecuda", "--offload a model -o -q")
+    assert report.offloaded == ["a", "model"]
+    assert tip.user_ns["a"].tolist() == list(map(float, range(10)))
+    assert tip.user_ns["model"].weight.shape == (2, 3)
+    with pytest.raises(UsageError) as excinfo:
+        tip.run_line_magic("freecuda", "--offload")
+    assert type(excinfo.value) is UsageError
+
+
+def test_all_lists_and_deletes_only_variables_holding_device_tensors(tip):
+    run_ok(tip, "a = torch.ones(100)\nbox = {'t': torch.ones(10)}\nmodel = torch.nn.Linear(2, 2)\n"
+                "keep = [1, 2, 3]\n_x = 'text'\nn = 5")
+    dry = tip.run_line_magic("freecuda", "--all --dry-run -o -q")
+    assert set(dry.deleted) == {"a", "box", "model"}
+    assert {k for k in ("a", "box", "model", "keep", "_x", "n") if k in tip.user_ns} == \
+        {"a", "box", "model", "keep", "_x", "n"}
+    report = tip.run_line_magic("freecuda", "--all -o -q")
+    assert set(report.deleted) == {"a", "box", "model"}
+    assert not any(k in tip.user_ns for k in ("a", "box", "model"))
+    assert tip.user_ns["keep"] == [1, 2, 3] and tip.user_ns["_x"] == "text" and tip.user_ns["n"] == 5
+
+
+def test_dry_run_changes_nothing(tip):
+    run_ok(tip, STEP)
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    tip.run_cell("out = step(256)", store_history=True)
+    run_ok(tip, "a = torch.ones(100)")
+    error = sys.last_value
+    report = tip.run_line_magic("freecuda", "a -n -o -q")
+    assert report.dry_run and report.deleted == ["a"] and "sys.last_value" in report.dropped
+    assert "a" in tip.user_ns and sys.last_value is error
+    assert tip.user_ns["refs"][0]() is not None
+    del error
+
+
+def test_user_variables_like_output_cache_names_are_never_touched(tip):
+    run_ok(tip, "_x = torch.ones(10)\nkeep = torch.ones(20)\n_ = torch.ones(5)\n_7 = torch.ones(3)")
+    ids = {k: id(tip.user_ns[k]) for k in ("_x", "keep", "_", "_7")}
+    tip.run_line_magic("freecuda", "-q")
+    assert {k: id(tip.user_ns[k]) for k in ("_x", "keep", "_", "_7")} == ids
+    tip.run_line_magic("freecuda", "-q keep")
+    assert "keep" not in tip.user_ns and id(tip.user_ns["_x"]) == ids["_x"]
