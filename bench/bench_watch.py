@@ -1,6 +1,6 @@
 """What `%gpumem --watch` adds to a trivial cell (`x = 1`), against the same cells without it.
 
-    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 7]
+    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 9]
 
 A real IPython shell runs the cell with run_cell, in blocks of --cells cells, the variants interleaved
 round by round (each figure is the median over rounds of a block's time per cell). Modes: CPU only (the
@@ -97,7 +97,7 @@ def cuda_ready() -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     os.environ["CUDA_MAGIC_DISPLAY"] = "text"
 

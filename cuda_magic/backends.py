@@ -121,14 +121,15 @@ def mps_device() -> DeviceMemory | None:
 def _meminfo() -> dict[str, int]:
     values = {}
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    values[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+        with open("/proc/meminfo", "rb") as fh:   # one read, parsed as bytes: about half the time of text lines
+            text = fh.read()
     except OSError:
-        pass
+        return values
+    for line in text.splitlines():
+        key, _, rest = line.partition(b":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key.decode()] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == b"kB" else 1)
     return values
 
 
@@ -136,18 +137,21 @@ def process_rss() -> tuple[int | None, int | None]:
     """(resident bytes now, resident peak bytes) of this process, from the operating system."""
     rss = hwm = None
     try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1]) * 1024
+        with open("/proc/self/status", "rb") as fh:
+            text = fh.read()
+        rss, hwm = _status_bytes(text, b"\nVmRSS:"), _status_bytes(text, b"\nVmHWM:")
     except OSError:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         hwm = peak if sys.platform == "darwin" else peak * 1024
     return rss, hwm
+
+
+def _status_bytes(text: bytes, field: bytes) -> int | None:
+    """A `kB` field of /proc/self/status (`field` with its leading newline), in bytes."""
+    i = text.find(field)
+    return int(text[i + len(field):text.index(b"kB", i)]) * 1024 if i >= 0 else None
 
 
 def cpu_device(tensor_bytes: int | None) -> DeviceMemory:

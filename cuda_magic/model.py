@@ -172,8 +172,12 @@ def diff(before: Snapshot, after: Snapshot) -> SnapshotDiff:
             if a is not None and b is not None:
                 changes[part] = b - a
         deltas.append(DeviceDelta(dev.key, changes))
-    old_ids = {t.storage_id: t for t in before.tensor_list}
-    new_ids = {t.storage_id: t for t in after.tensor_list}
+    # A freed storage's address can be reused by a new one: identity is the address with what it holds.
+    def ident(t):
+        return (t.storage_id, t.nbytes, t.device, t.dtype)
+
+    old_ids = {ident(t): t for t in before.tensor_list}
+    new_ids = {ident(t): t for t in after.tensor_list}
     appeared = [t for k, t in new_ids.items() if k not in old_ids]
     went = [t for k, t in old_ids.items() if k not in new_ids]
     return SnapshotDiff(before, after, deltas, appeared, went)

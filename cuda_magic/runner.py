@@ -10,7 +10,7 @@ class CompiledCell:
     def __init__(self, shell, cell: str):
         self.shell = shell
         self.source = shell.transform_cell(cell)
-        self.filename = shell.compile.cache(self.source, shell.execution_count, raw_code=cell)
+        self.filename = shell.compile.cache(self.source, _cell_number(shell), raw_code=cell)
         tree = shell.compile.ast_parse(self.source, filename=self.filename)
         tree = shell.transform_ast(tree)
         body = list(tree.body)
@@ -28,3 +28,10 @@ class CompiledCell:
         exec(self.code, shell.user_global_ns, shell.user_ns)
         if self.last is not None:
             exec(self.last, shell.user_global_ns, shell.user_ns)
+
+
+def _cell_number(shell) -> int:
+    """The running cell's number: IPython may already have advanced shell.execution_count."""
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(result, "execution_count", None)
+    return number if isinstance(number, int) else shell.execution_count

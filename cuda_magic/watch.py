@@ -97,6 +97,14 @@ class _ProcReader:
                 os.close(fd)
         self.status_fd = self.clear_fd = self.statm_fd = None
 
+    def __del__(self):
+        # meter.CpuMeter makes a reader per guarded cell and never closes it: without this, every
+        # `%%oomguard` cell on the CPU left its descriptors open until the process ran out of them
+        try:
+            self.close()
+        except OSError:
+            pass
+
 
 class CellWatcher:
     """Per-cell records through IPython's pre_run_cell / post_run_cell events. Cheap; never raises."""

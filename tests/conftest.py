@@ -112,21 +112,30 @@ def fresh_nvml(monkeypatch):
 
 
 @pytest.fixture
-def no_gpu(monkeypatch, fresh_nvml):
-    """A machine without a GPU, also on one that has a GPU: NVML's library is not found, and torch has
-    not initialised CUDA (a test that needs that is skipped)."""
+def no_gpu(monkeypatch, fresh_nvml, torch_warm):
+    """A machine without a GPU, also on one that has one: NVML's library is not found and torch reports
+    no CUDA, so tensors are CPU tensors and the CPU is the device. Skipped where torch has already
+    initialised CUDA or an MPS device is present."""
     import pynvml
+
+    import importlib
+
+    release = importlib.import_module("cuda_magic.release")   # `cuda_magic.release` is the function
+
+    torch = torch_warm
+    if torch.cuda.is_initialized():
+        pytest.skip("torch has initialised CUDA in this process")
+    if torch.backends.mps.is_available():
+        pytest.skip("an Apple MPS device is present")
 
     def not_found():
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", not_found)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        pytest.skip("torch has initialised CUDA in this process")
-    if torch is not None and torch.backends.mps.is_available():
-        pytest.skip("an Apple MPS device is present")
-
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    release.has_gpu.cache_clear()
+    yield
+    release.has_gpu.cache_clear()
 
 def tensors_reachable(root, ip, limit: int = 200_000) -> list:
     """Tensors reachable from `root` through gc referents, not going through the shell, namespaces,

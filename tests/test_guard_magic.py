@@ -20,7 +20,7 @@ def step(n):
 
 
 @pytest.fixture
-def gip(tip):
+def gip(no_gpu, tip):
     run_ok(tip, STEP)
     return tip
 
@@ -168,3 +168,26 @@ def test_bad_switch_of_the_line_magic(ip):
         ip.run_line_magic("oomguard", "maybe")
     assert type(excinfo.value) is UsageError
     assert "maybe" in str(excinfo.value)
+
+
+def test_debug_opens_on_the_failing_frame_of_a_guarded_cell(gip, monkeypatch, capsys):
+    import io
+
+    from IPython.core.debugger import Pdb
+
+    gip.run_cell("%%oomguard -q\ndef inner():\n    local_t = torch.ones(2, 3)\n    raise KeyError('x')\ninner()\n",
+                 store_history=True)
+    monkeypatch.setattr(gip.InteractiveTB, "debugger_cls", Pdb)   # the terminal one needs a tty
+    monkeypatch.setattr(sys, "stdin", io.StringIO("p tuple(local_t.shape)\nq\n"))
+    capsys.readouterr()
+    gip.run_line_magic("debug", "")
+    out = capsys.readouterr().out
+    assert "inner()" in out and "(2, 3)" in out
+
+
+def test_traceback_names_the_cell_by_its_own_number(gip, capsys):
+    result = gip.run_cell("%%oomguard -q\nfirst = 1\nraise KeyError('which cell')\n", store_history=True)
+    n = result.execution_count
+    out = capsys.readouterr().out
+    assert f"Cell In[{n}], line 2" in out        # the body's frame (the magic's call is line 1)
+    assert f"Cell In[{n + 1}]" not in out

@@ -20,7 +20,8 @@ def test_import_loads_no_heavy_module():
 
 
 def test_public_api_names_resolve_lazily():
-    code = "import cuda_magic\nassert callable(cuda_magic.parse_size)\nassert 'load_ipython_extension' in dir(cuda_magic)"
+    code = ("import cuda_magic\nassert callable(cuda_magic.parse_size)\n"
+            "assert 'load_ipython_extension' in dir(cuda_magic)")
     assert _heavy_modules_after(code) == []
 
 

@@ -17,7 +17,7 @@ def step(n):
 
 
 @pytest.fixture
-def oip(tip):
+def oip(no_gpu, tip):
     run_ok(tip, STEP)
     tip.run_line_magic("gpumem", "--simulate 64MiB -q")
     return tip
