@@ -82,15 +82,14 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _run(self, call, arguments):
         __tracebackhide__ = True  # noqa: F841
-        from .backends import read_devices
         from .guard import GuardEngine, short_oom_error
-        from .meter import choose_meter
+        from .meter import choose_meter, metered_devices
         from .report import GuardReport
 
         meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                     lambda text, cap: parse_size(text, cap))
         report = GuardReport(device=meter.key, variable=self.retry, accumulate=self.accumulate, limit=limit)
-        report.before = _device_records(read_devices, meter)
+        report.before = metered_devices(meter)
         self.report = report
         from .display.show import show_guard
 
@@ -102,7 +101,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         try:
             result, passthrough = engine.run(call, report)
         finally:
-            report.after = _device_records(read_devices, meter)
+            report.after = metered_devices(meter)
             peaks = [a.peak for a in report.attempts if a.peak is not None]
             report.peaks[meter.key] = max(peaks) if peaks else None
         if report.oom is not None:
@@ -174,14 +173,6 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         if self.raise_on_oom:
             raise short_oom_error(report)
         return True
-
-
-def _device_records(read_devices, meter):
-    devices = read_devices().devices
-    mine = [d for d in devices if d.key == meter.key]
-    if not mine and meter.key.startswith("sim"):
-        mine = [meter.device.memory()]
-    return mine or devices[:1]
 
 
 def _diagnose(report, meter, amp):

@@ -75,11 +75,11 @@ class GuardMagics(Magics):
         variable, accumulate, floor = self._retry_options(args, ns)
         meter, limit = self._meter(args)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
-        from .backends import read_devices
         from .display.show import show_guard
+        from .meter import metered_devices
 
         report = GuardReport(device=meter.key, variable=variable, accumulate=accumulate, limit=limit)
-        report.before = _devices(read_devices, meter)
+        report.before = metered_devices(meter)
         handle = show_guard(report, quiet=args.quiet)
         engine = GuardEngine(meter, limit=limit, amp=args.amp, variable=variable, accumulate=accumulate,
                              floor=floor, search=args.search, get_value=ns.__getitem__,
@@ -88,11 +88,11 @@ class GuardMagics(Magics):
         try:
             _, passthrough = engine.run(compiled, report)
         except KeyboardInterrupt:
-            _finish(report, meter, read_devices)
+            _finish(report, meter)
             handle.finish(report)
             raise
         del compiled
-        _finish(report, meter, read_devices)
+        _finish(report, meter)
         if report.oom is not None:
             report.diagnosis = _diagnose(self.shell, report, args, meter)
         if not args.quiet:
@@ -166,21 +166,10 @@ def _check_device(text: str) -> str:
     return parse_device(text, keys)
 
 
-def _devices(read_devices, meter):
-    devices = read_devices().devices
-    mine = [d for d in devices if d.key == meter.key]
-    if not mine and meter.key.startswith("sim"):
-        mine = [meter.device.memory()]
-    for dev in mine:
-        if dev.kind == "cpu":
-            # no census here: the process's resident memory is the figure, PyTorch's share unknown
-            dev.other_this_process = (dev.torch_allocated or 0) + (dev.other_this_process or 0)
-            dev.torch_allocated = None
-    return mine or devices[:1]
+def _finish(report, meter) -> None:
+    from .meter import metered_devices
 
-
-def _finish(report, meter, read_devices) -> None:
-    report.after = _devices(read_devices, meter)
+    report.after = metered_devices(meter)
     peaks = [a.peak for a in report.attempts if a.peak is not None]
     report.peaks[meter.key] = max(peaks) if peaks else None
 

@@ -163,3 +163,20 @@ def _cuda_index(device: str | None, torch) -> int:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     text = str(device).split(":")[-1]
     return int(text) if text.isdigit() else 0
+
+
+def metered_devices(meter) -> list:
+    """The metered device's memory now (DeviceMemory records), read alone where that is cheaper."""
+    if meter.key.startswith("sim"):
+        return [meter.device.memory()]
+    if meter.key == "cpu":
+        from .backends import cpu_device
+
+        dev = cpu_device(None)
+        # no census here: the process's resident memory is the figure, PyTorch's share unknown
+        dev.other_this_process = (dev.torch_allocated or 0) + (dev.other_this_process or 0)
+        dev.torch_allocated = None
+        return [dev]
+    from .backends import read_devices
+
+    return [d for d in read_devices().devices if d.key == meter.key]

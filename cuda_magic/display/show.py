@@ -181,4 +181,12 @@ def show_guard(report, *, quiet: bool = False, form: str | None = None) -> Guard
 
 def show_watch(record, *, quiet: bool = False, form: str | None = None):
     """After a cell under `%gpumem --watch`: one compact line (or a widget row)."""
-    return show(record, quiet=quiet, form=form)
+    if quiet:
+        return None
+    form = form or display_form()
+    if form == "text":   # the common terminal case, after every cell: skip building the other forms
+        from .text import watch_line
+
+        print(watch_line(record))
+        return None
+    return show(record, form=form)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
+# The harness sits next to this file. (No conftest.py here: a second module named `conftest` would
+# shadow tests/conftest.py, whose helpers the other test files import.)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab import CHROMIUM, error_outputs, run_notebook_in_lab, save_element_screenshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
