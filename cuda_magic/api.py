@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from .units import SizeError, parse_size
+from .units import SizeError, is_positive_int, parse_size
 
 
 class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
@@ -63,7 +63,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             for name in (self.retry, self.accumulate):
                 if name is not None:
                     value = arguments.get(name)
-                    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    if not is_positive_int(value):
                         raise ValueError(f"{name} must be a positive int to be retried, not {value!r}")
             if self.retry is not None and arguments[self.retry] < self.floor:
                 raise ValueError(f"{self.retry}={arguments[self.retry]} is already below min={self.floor}")

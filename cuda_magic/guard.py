@@ -142,7 +142,7 @@ class GuardEngine:
             if self.accumulate is not None:
                 report.original_accumulate = self.get_value(self.accumulate)
             capacity = self.limit or _capacity(self.meter)
-            policy = BatchSearch(report.original_value, self.floor, self.search, capacity=capacity)
+            policy = BatchSearch(int(report.original_value), self.floor, self.search, capacity=capacity)
             value = policy.first()
         else:
             value = None
@@ -216,8 +216,8 @@ class GuardEngine:
 
         self.set_value(self.variable, value)
         if self.accumulate is not None:
-            self.set_value(self.accumulate, scale_accumulation(report.original_value,
-                                                               report.original_accumulate, value))
+            self.set_value(self.accumulate, scale_accumulation(int(report.original_value),
+                                                               int(report.original_accumulate), value))
 
     def _restore(self, report) -> None:
         if report.original_value is not None:

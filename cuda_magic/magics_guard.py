@@ -8,6 +8,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cli import parse_args, parse_count, parse_size_arg
+from .units import is_positive_int
 
 
 @magics_class
@@ -153,7 +154,7 @@ def _positive_int_variable(ns, name: str, flag: str) -> str:
     if name not in ns:
         raise UsageError(f"{flag} {name}: no variable {name!r} in the namespace; set it first (e.g. {name} = 64)")
     value = ns[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_positive_int(value):
         raise UsageError(f"{flag} {name}: {name} must hold a positive int, not {value!r}")
     return name
 

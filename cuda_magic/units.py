@@ -1,6 +1,7 @@
 """Sizes: parsing what users type and formatting bytes for display. Inside, sizes are int bytes."""
 from __future__ import annotations
 
+import numbers
 import re
 
 _UNITS = {
@@ -77,3 +78,8 @@ def format_duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.2f} s"
     return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def is_positive_int(value) -> bool:
+    """A whole number above 0: int or numpy's integers, not bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1

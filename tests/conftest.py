@@ -6,6 +6,16 @@ import sys
 
 import pytest
 
+#: A function that keeps one tensor (weakly referenced in `refs`) and then asks for far more than a small
+#: simulated device has: its frame's locals are what an out-of-memory error keeps alive.
+STEP = """
+refs = []
+def step(n):
+    act = torch.ones(n, 1024)
+    refs.append(weakref.ref(act))
+    return torch.empty(n * 4096, 1024)
+"""
+
 OUR_MAGICS = {"line": {"gpumem", "oomguard", "freecuda"}, "cell": {"oomguard"}}
 
 

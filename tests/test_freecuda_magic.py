@@ -6,18 +6,11 @@ import gc
 import sys
 
 import pytest
-from conftest import run_ok
+from conftest import STEP, run_ok
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.usefixtures("no_gpu")
 
-STEP = """
-refs = []
-def step(n):
-    act = torch.ones(n, 1024)
-    refs.append(weakref.ref(act))
-    return torch.empty(n * 4096, 1024)
-"""
 
 
 def test_frees_the_failed_frames_tensors_after_an_unguarded_oom(tip, capsys):

@@ -5,15 +5,8 @@ import gc
 import sys
 
 import pytest
-from conftest import run_ok
+from conftest import STEP, run_ok
 
-STEP = """
-refs = []
-def step(n):
-    act = torch.ones(n, 1024)
-    refs.append(weakref.ref(act))
-    return torch.empty(n * 4096, 1024)
-"""
 
 
 @pytest.fixture
