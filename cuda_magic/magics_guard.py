@@ -21,6 +21,7 @@ class GuardMagics(Magics):
     @argument("--amp", choices=("bf16", "fp16"), default=None, help="run the cell under torch.autocast")
     @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
     @argument("-d", dest="device", default=None, metavar="DEVICE", help="the device to measure and cap (0, cuda:1)")
+    @argument("--expandable-segments", dest="expandable", action="store_true", help="switch the CUDA allocator's expandable_segments on first (against fragmentation), keeping its other options")
     @argument("--no-raise", dest="no_raise", action="store_true", help="after an OOM, return instead of raising")
     @argument("-q", dest="quiet", action="store_true", help="show only the OOM report, nothing for a cell that ran")
     @argument("-o", dest="output", action="store_true", help="return the report object")
@@ -75,6 +76,8 @@ class GuardMagics(Magics):
         ns = self.shell.user_ns
         variable, accumulate, floor = self._retry_options(args, ns)
         meter, limit = self._meter(args)
+        if args.expandable:
+            self._expandable_segments(args.quiet)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
         from .display.show import show_guard
         from .meter import metered_devices
@@ -108,6 +111,16 @@ class GuardMagics(Magics):
             del report, engine, handle
             raise error
         return report if args.output else None
+
+    def _expandable_segments(self, quiet: bool) -> None:
+        from .allocator_conf import enable_expandable_segments
+
+        try:
+            said = enable_expandable_segments()
+        except RuntimeError as exc:
+            raise UsageError(f"--expandable-segments: {exc}") from None
+        if not quiet:
+            print(said)
 
     def _retry_options(self, args, ns):
         floor = 1

@@ -191,3 +191,15 @@ def test_traceback_names_the_cell_by_its_own_number(gip, capsys):
     out = capsys.readouterr().out
     assert f"Cell In[{n}], line 2" in out        # the body's frame (the magic's call is line 1)
     assert f"Cell In[{n + 1}]" not in out
+
+
+def test_expandable_segments_without_cuda_is_a_one_line_usage_error(tip, monkeypatch):
+    from IPython.core.error import UsageError
+
+    monkeypatch.setattr(tip.user_ns["torch"].cuda, "is_available", lambda: False)
+    tip.run_cell("marker = 1")
+    with pytest.raises(UsageError) as err:
+        tip.run_cell_magic("oomguard", "--expandable-segments", "marker = 2")
+    assert type(err.value) is UsageError and "\n" not in str(err.value)
+    assert "no CUDA device" in str(err.value)
+    assert tip.user_ns["marker"] == 1
