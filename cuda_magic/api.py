@@ -88,7 +88,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
         meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                     lambda text, cap: parse_size(text, cap))
-        report = GuardReport(device=meter.key, variable=self.retry, accumulate=self.accumulate, limit=limit)
+        report = GuardReport(device=meter.key, variable=self.retry, accumulate=self.accumulate, limit=limit,
+                             source="oomguard")
         report.before = metered_devices(meter)
         self.report = report
         from .display.show import show_guard
@@ -126,7 +127,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         self._meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                           lambda text, cap: parse_size(text, cap))
         self._limit = limit
-        self.report = GuardReport(device=self._meter.key, limit=limit)
+        self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard")
         self._meter.reset_peak()
         self._start = self._meter.allocated()
         self._running = self._meter.running(limit)

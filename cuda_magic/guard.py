@@ -64,8 +64,11 @@ _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 
 
 def _is_library(filename: str) -> bool:
-    """Frames of torch and of this package are not where the user's code failed."""
-    return filename.startswith(_PACKAGE_DIR) or "/torch/" in filename or "\\torch\\" in filename
+    """Frames of installed packages (torch, numpy, ...) and of this one are not where the user's code
+    failed: the report names the deepest frame of the user's own code."""
+    name = filename.replace("\\", "/")
+    return (filename.startswith(_PACKAGE_DIR) or "/site-packages/" in name or "/dist-packages/" in name
+            or "/torch/" in name)
 
 
 def autocast(amp: str | None, meter):

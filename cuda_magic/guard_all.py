@@ -66,7 +66,7 @@ class GuardAll:
         shell = self.shell
         before = read_devices().devices
         key = before[0].key if before else "cpu"
-        report = GuardReport(device=key, before=before[:1])
+        report = GuardReport(device=key, before=before[:1], source="%oomguard on")
         report.oom = oom_fields(value) or OomFields()
         report.failure = failure_point(value.__traceback__, _cell_filename(shell, value.__traceback__), None)
         allocated = before[0].torch_allocated if before else None

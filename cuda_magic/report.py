@@ -89,6 +89,7 @@ class GuardReport:
     limit: int | None = None              # -l cap in bytes
     warnings: list[str] = field(default_factory=list)
     exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the attempts
+    source: str = "%%oomguard"            # what guarded the run: '%%oomguard', '%oomguard on', 'oomguard'
 
     @property
     def succeeded(self) -> bool:

@@ -170,18 +170,19 @@ def oom_title(oom) -> str:
 
 def guard_title(report) -> str:
     var = report.variable
+    src = report.source
     if report.outcome == "running":              # shown while the cell runs (display.show)
-        return "%%oomguard: running the cell" + (f", attempt {len(report.attempts) + 1}" if report.attempts else "")
+        return f"{src}: running the cell" + (f", attempt {len(report.attempts) + 1}" if report.attempts else "")
     if report.outcome == "ok":
-        return "%%oomguard: the cell ran within memory"
+        return f"{src}: the cell ran within memory"
     if report.outcome == "recovered":
-        return (f"%%oomguard: out of memory at {var}={report.original_value}; "
+        return (f"{src}: out of memory at {var}={report.original_value}; "
                 f"fits at {var}={report.final_value}")
     if report.outcome == "oom":
-        return "%%oomguard: out of memory; memory released, no restart needed"
+        return f"{src}: out of memory; memory released, no restart needed"
     if report.outcome == "interrupted":
-        return "%%oomguard: interrupted; attempts stopped" + (f", {var} restored" if var else "")
-    text = f"%%oomguard: stopped by an error that is not out of memory"
+        return f"{src}: interrupted; attempts stopped" + (f", {var} restored" if var else "")
+    text = f"{src}: stopped by an error that is not out of memory"
     return text + (f": {report.exception_text}" if report.exception_text else "")
 
 
