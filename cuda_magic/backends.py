@@ -192,7 +192,11 @@ def read_devices(*, cpu_tensor_bytes: int | None = None, include_cpu_when_gpu: b
     if not reading.gpu_present:
         nvml_failure = get_nvml().failure
         why = f" ({nvml_failure})" if nvml_failure else ""
-        reading.notes.insert(0, f"No GPU found{why}: showing this process's CPU memory and CPU tensors.")
+        if sim is not None:
+            reading.notes.insert(0, f"No GPU found{why}: the simulated device stands in for one; this "
+                                    "process's CPU memory follows.")
+        else:
+            reading.notes.insert(0, f"No GPU found{why}: showing this process's CPU memory and CPU tensors.")
     if not reading.gpu_present or include_cpu_when_gpu:
         reading.devices.append(cpu_device(cpu_tensor_bytes))
     return reading
