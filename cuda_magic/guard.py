@@ -278,12 +278,14 @@ def _short_error_class():
     if _short_cls is None:
         import torch
 
-        class OomGuardError(torch.OutOfMemoryError):
-            """Raised by `%%oomguard` after an out-of-memory error it cleaned up: holds nothing."""
+        class OutOfMemoryError(torch.OutOfMemoryError):
+            """Raised by `%%oomguard` after an out-of-memory error it cleaned up: holds nothing.
+            A subclass of torch.OutOfMemoryError, so `except torch.OutOfMemoryError` still catches it."""
 
             def _render_traceback_(self):
                 return [f"OutOfMemoryError: {self}"]
 
-        OomGuardError.__module__ = "cuda_magic"
-        _short_cls = OomGuardError
+        OutOfMemoryError.__module__ = "cuda_magic"
+        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+        _short_cls = OutOfMemoryError
     return _short_cls
