@@ -210,12 +210,10 @@ def holds_device_memory(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT
 # ------------------------------------------------------------------------------- exception refs
 
 def _get_shell(shell):
-    if shell is not None:
+    if shell is not None or "IPython" not in sys.modules:   # a plain script never imports IPython here
         return shell
-    try:
-        from IPython.core.getipython import get_ipython
-    except ImportError:
-        return None
+    from IPython.core.getipython import get_ipython
+
     return get_ipython()
 
 

@@ -1,6 +1,8 @@
 """Taking a snapshot: the devices' memory and the census of live tensors, as plain records."""
 from __future__ import annotations
 
+import sys
+
 from .backends import read_devices
 from .census import take_census
 from .model import Snapshot
@@ -18,13 +20,8 @@ def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:
 
     Outside IPython pass nothing: tensors are then listed without names. The result holds no tensor.
     """
-    if shell is None:
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-        except ImportError:
-            shell = None
+    if shell is None and "IPython" in sys.modules:   # a plain script never pays for importing IPython
+        shell = sys.modules["IPython"].get_ipython()
     records, per_device, notes = [], {}, []
     if tensors:
         namespace, out_cache = user_namespace(shell)

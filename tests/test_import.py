@@ -43,3 +43,15 @@ def test_unknown_attribute_is_an_attribute_error():
         "else:\n    raise SystemExit('no AttributeError')\n"
     )
     assert _heavy_modules_after(code) == []
+
+
+def test_the_api_in_a_plain_script_never_imports_ipython():
+    code = ("import sys, torch, cuda_magic\n"
+            "x = torch.ones(10); v = x[:3]\n"
+            "snap = cuda_magic.snapshot()\n"
+            "report = cuda_magic.release()\n"
+            "print(len(snap.tensor_list), sum(r.views for r in snap.tensor_list), 'IPython' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    storages, views, ipython = out.stdout.split()
+    assert int(storages) >= 1 and int(views) >= 2 and ipython == "False"
