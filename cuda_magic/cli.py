@@ -56,10 +56,23 @@ def parse_args(magic_func, line: str):
     from IPython.core.magic_arguments import parse_argstring
 
     try:
-        return parse_argstring(magic_func, line)
+        args = parse_argstring(magic_func, line)
     except UsageError:
         raise
     except SystemExit:
         raise UsageError(f"could not read the options {line!r}; see {magic_func.__name__}?") from None
     except ValueError as exc:   # unbalanced quotes in shlex
         raise UsageError(f"could not read the options {line!r}: {exc}") from None
+    # IPython splits magic lines without removing quotes: -l '5 GiB' arrives as "'5 GiB'".
+    for key, value in vars(args).items():
+        if isinstance(value, str):
+            setattr(args, key, _unquote(value))
+        elif isinstance(value, list):
+            setattr(args, key, [_unquote(v) if isinstance(v, str) else v for v in value])
+    return args
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text

@@ -11,6 +11,9 @@ from .cli import parse_args, parse_count, parse_size_arg
 from .units import is_positive_int
 
 
+_UNIT_WORDS = {"B", "KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB"}
+
+
 @magics_class
 class GuardMagics(Magics):
     @magic_arguments()
@@ -36,7 +39,9 @@ class GuardMagics(Magics):
             return self._switch(line)
         args = parse_args(self.oomguard, line)
         if args.switch is not None:
-            raise UsageError(f"%%oomguard takes options only, not {args.switch!r}; `%oomguard on|off` is the line magic")
+            hint = " (write a size without a space: -l 5GiB)" if args.switch.upper() in _UNIT_WORDS else ""
+            raise UsageError(f"%%oomguard takes options only, not {args.switch!r}{hint}; `%oomguard on|off` "
+                             "is the line magic")
         return self._guard_cell(args, cell)
 
     # %oomguard on|off ------------------------------------------------------------------------------
