@@ -203,3 +203,14 @@ def test_expandable_segments_without_cuda_is_a_one_line_usage_error(tip, monkeyp
     assert type(err.value) is UsageError and "\n" not in str(err.value)
     assert "no CUDA device" in str(err.value)
     assert tip.user_ns["marker"] == 1
+
+
+def test_quoted_sizes_are_read_and_a_split_size_gets_a_hint(tip):
+    from IPython.core.error import UsageError
+
+    report = tip.run_cell_magic("oomguard", "-q -o -l '64 MiB'", "y = 1")
+    assert report.limit is None or report.limit == 64 * 2**20   # the run's own simulated device has that size
+    assert report.before[0].capacity == 64 * 2**20
+    with pytest.raises(UsageError) as err:
+        tip.run_cell_magic("oomguard", "-l 5 GiB", "y = 2")
+    assert type(err.value) is UsageError and "-l 5GiB" in str(err.value)
