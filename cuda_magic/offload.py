@@ -33,7 +33,30 @@ def offload(obj, device="cpu"):
     moved = _visit(obj, walk)
     for opt in walk.optimizers:
         _move_optimizer(opt, walk)
+    if str(device) == "cpu":
+        _leave_simulated_device(moved, torch)
     return moved
+
+
+def _leave_simulated_device(obj, torch) -> int:
+    """With a simulated GPU on, its tensors already live in CPU memory, so moving them to the CPU is a
+    no-op: copy their data where the device does not count it instead (in place, so parameters and the
+    optimizer state keyed by them keep their identity). Returns how many tensors were copied."""
+    from .release import iter_tensors
+    from .simulated import active_device
+
+    sim = active_device()
+    if sim is None:
+        return 0
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    copied = 0
+    with _disable_current_modes(), torch.no_grad():
+        for t in list(iter_tensors(obj)):
+            if t.device.type == "cpu" and sim.tracks(t) and (t.is_leaf or not t.requires_grad):
+                t.data = t.data.clone()
+                copied += 1
+    return copied
 
 
 def _visit(obj, walk):

@@ -587,7 +587,11 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
     if offload:
         report.offloaded = list(names)
         if not has_gpu():
-            report.notes.append("no GPU: the CPU is the device, so offloading moves nothing")
+            if _simulated_device() is not None:
+                report.notes.append("no GPU: offloading copies the tensors off the simulated device into "
+                                    "CPU memory it does not count")
+            else:
+                report.notes.append("no GPU: the CPU is the device, so offloading moves nothing")
     else:
         report.deleted = list(names)
     if dry_run:

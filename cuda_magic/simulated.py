@@ -208,6 +208,10 @@ class SimulatedDevice:
             self._finalizers.pop(key, None)
             self.allocated -= nbytes
 
+    def tracks(self, tensor) -> bool:
+        """Whether this device counts the storage under `tensor`."""
+        return tensor.untyped_storage()._cdata in self._live
+
     def forget(self) -> None:
         """Stop following the storages counted so far (a device that is switched off for good)."""
         with self._lock:

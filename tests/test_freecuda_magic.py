@@ -108,3 +108,18 @@ def test_user_variables_like_output_cache_names_are_never_touched(tip):
     assert {k: id(tip.user_ns[k]) for k in ("_x", "keep", "_", "_7")} == ids
     tip.run_line_magic("freecuda", "-q keep")
     assert "keep" not in tip.user_ns and id(tip.user_ns["_x"]) == ids["_x"]
+
+
+def test_offload_takes_tensors_off_the_simulated_device_keeping_data_and_identity(tip):
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "model = torch.nn.Linear(512, 512)\nopt = torch.optim.Adam(model.parameters())\n"
+                "model(torch.randn(4, 512)).sum().backward(); opt.step()\n"
+                "w = model.weight; saved = model.weight.detach().clone()\n"
+                "from cuda_magic.simulated import active_device\nbefore = active_device().allocated")
+    report = tip.run_line_magic("freecuda", "model opt --offload -q -o")
+    sim = tip.user_ns["active_device"]()
+    # weight, its grad, exp_avg and exp_avg_sq: 4 x 1 MiB left the device; `saved` (1 MiB) did not
+    assert tip.user_ns["before"] - sim.allocated >= 4 * 512 * 512 * 4
+    assert report.freed["sim:0"] >= 4 * 512 * 512 * 4
+    run_ok(tip, "assert model.weight is w and torch.equal(model.weight, saved)\n"
+                "model(torch.randn(4, 512)).sum().backward(); opt.step()")
