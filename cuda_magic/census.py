@@ -4,6 +4,7 @@ and dict items, attributes, the output cache, the last error's traceback). Holds
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -24,6 +25,8 @@ _PLAIN = _SEQUENCES | _DICT
 _ATOMIC_OR_PLAIN = _ATOMIC | _PLAIN
 MAX_VISITS = 400_000        # the namespace walk stops here (names then may be incomplete)
 MAX_DEPTH = 8
+MAX_GRAPH_NODES = 20_000    # autograd nodes visited to name what graphs saved
+GRAPH_SUFFIX = " (its graph)"
 _SKIP_NAMES = frozenset({"In", "Out", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_ih", "_dh",
                          "exit", "quit", "get_ipython", "__builtin__", "__builtins__", "__name__",
                          "__doc__", "__package__", "__loader__", "__spec__"})
@@ -57,16 +60,46 @@ class _Namer:
         self.param_names: dict[int, str] = {}
         self.optimizers: list[tuple[str, object]] = []
         self.truncated = False
+        self.keys: set[int] = set(by_id.values())
+        self.graph_seen: set[int] = set()
+        self.graph_nodes = 0
 
     def add(self, obj, name: str) -> None:
         key = self.by_id.get(id(obj))
         if key is not None:
-            lst = self.names.setdefault(key, [])
-            if name not in lst:
-                lst.append(name)
-        grad = obj.grad if getattr(obj, "is_leaf", False) else None
-        if grad is not None:
-            self.add(grad, f"{name}.grad")
+            self._name(key, name)
+        if getattr(obj, "is_leaf", True):
+            grad = obj.grad
+            if grad is not None:
+                self.add(grad, f"{name}.grad")
+        elif obj.grad_fn is not None:
+            self._name_graph(obj.grad_fn, f"{name}{GRAPH_SUFFIX}")
+
+    def _name(self, key: int, name: str) -> None:
+        lst = self.names.setdefault(key, [])
+        if name not in lst:
+            lst.append(name)
+
+    def _name_graph(self, root, name: str) -> None:
+        """Name the tensors an autograd graph saved for backward (activations a logged loss keeps)."""
+        stack = [root]
+        while stack and self.graph_nodes < MAX_GRAPH_NODES:
+            node = stack.pop()
+            if node is None or id(node) in self.graph_seen:
+                continue
+            self.graph_seen.add(id(node))
+            self.graph_nodes += 1
+            for attr in _saved_attrs(type(node)):
+                try:
+                    saved = getattr(node, attr)
+                except (RuntimeError, AttributeError):   # freed by backward()
+                    continue
+                for t in (saved if isinstance(saved, (tuple, list)) else (saved,)):
+                    if type(t) in self.ttypes:
+                        key = t.untyped_storage()._cdata
+                        if key in self.keys:
+                            self._name(key, name)
+            stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
 
     def walk(self, obj, name: str, depth: int = 0) -> None:
         cls = type(obj)
@@ -178,6 +211,11 @@ def _holds_only_data(level: list, kinds: set, levels: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=512)
+def _saved_attrs(node_type) -> tuple[str, ...]:
+    return tuple(a for a in dir(node_type) if a.startswith("_saved_"))
+
+
 def _key_text(k) -> str:
     if isinstance(k, (str, int, float, bool)) or k is None:
         return repr(k)
@@ -268,7 +306,9 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     per_device: dict[str, int] = {}
     result = []
     for key, rec in records.items():
-        rec.names = names.get(key, [])
+        found = names.get(key, [])
+        plain = [n for n in found if not n.endswith(GRAPH_SUFFIX)]
+        rec.names = plain or found   # a graph is named only for what nothing else names
         per_device[rec.device] = per_device.get(rec.device, 0) + rec.nbytes
         result.append(rec)
     result.sort(key=lambda r: r.nbytes, reverse=True)

@@ -212,3 +212,20 @@ def test_bad_flags_are_one_line_usage_errors(ip, line):
     assert type(excinfo.value) is UsageError
     assert "\n" not in str(excinfo.value).strip()
     assert active_device() is None
+
+
+def test_activations_a_logged_loss_keeps_are_named_by_its_graph(tip):
+    run_ok(tip, "lin = torch.nn.Linear(64, 256)\nlosses = []\n"
+                "for _ in range(2):\n    losses.append(lin(torch.randn(128, 64)).relu().sum())\n")
+    snap = tip.run_line_magic("gpumem", "-q -o -n 50")
+    by_name = {}
+    for rec in snap.tensor_list:
+        for name in rec.names:
+            by_name.setdefault(name, []).append(rec)
+    # the ReLU output each graph saved (128 x 256 float32) is named by the list item that keeps it
+    for i in (0, 1):
+        saved = [r for r in by_name.get(f"losses[{i}] (its graph)", []) if r.shape == (128, 256)]
+        assert saved and saved[0].nbytes == 128 * 256 * 4
+    # storages with plain names keep only those: the weight is `lin.weight`, not a graph's
+    weight = [r for r in snap.tensor_list if "lin.weight" in r.names]
+    assert weight and all("(its graph)" not in n for n in weight[0].names)

@@ -113,7 +113,9 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
 def tensor_name(t) -> str:
     names = ", ".join(t.names) if t.names else "(unnamed)"
     unnamed_views = t.views - max(1, len(t.names))
-    return names + (f" (+{unnamed_views} more views)" if unnamed_views > 0 else "")
+    if unnamed_views <= 0 or names.endswith(")"):   # "(unnamed)", "losses[0] (its graph)": no count
+        return names
+    return names + f" (+{unnamed_views} more views)"
 
 
 def short_dtype(dtype: str) -> str:
