@@ -48,7 +48,7 @@ def _is_cache_name(name: str) -> bool:
 
 
 class _Namer:
-    def __init__(self, torch, by_id: dict[int, int], names: dict[int, list[str]]):
+    def __init__(self, torch, by_id: dict[int, int], names: dict[int, list[str]], records: dict | None = None):
         self.torch = torch
         self.by_id = by_id
         self.names = names
@@ -61,6 +61,7 @@ class _Namer:
         self.optimizers: list[tuple[str, object]] = []
         self.truncated = False
         self.keys: set[int] = set(by_id.values())
+        self.records = records if records is not None else {}
         self.graph_seen: set[int] = set()
         self.graph_nodes = 0
 
@@ -95,10 +96,16 @@ class _Namer:
                 except (RuntimeError, AttributeError):   # freed by backward()
                     continue
                 for t in (saved if isinstance(saved, (tuple, list)) else (saved,)):
-                    if type(t) in self.ttypes:
-                        key = t.untyped_storage()._cdata
-                        if key in self.keys:
-                            self._name(key, name)
+                    if type(t) in self.ttypes and not t.is_meta and t.layout == self.torch.strided:
+                        storage = t.untyped_storage()
+                        key = storage._cdata
+                        if key not in self.keys:
+                            # held only inside the graph (no Python object for the gc scan to find)
+                            self.keys.add(key)
+                            self.records[key] = TensorRecord(
+                                key, [], tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
+                                int(storage.nbytes()), False, 1)
+                        self._name(key, name)
             stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
 
     def walk(self, obj, name: str, depth: int = 0) -> None:
@@ -282,7 +289,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     names: dict[int, list[str]] = {}
     notes: list[str] = []
     if records:
-        namer = _Namer(torch, by_id, names)
+        namer = _Namer(torch, by_id, names, records)
         if namespace is not None:
             for var, value in list(namespace.items()):
                 if var in _SKIP_NAMES or var.startswith("__") or _is_cache_name(var):
