@@ -140,7 +140,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
         from .guard import failure_point, short_oom_error
         from .oom import oom_fields, oom_kind
-        from .release import drop_exception, empty_caches
+        from .notebook_refs import drop_exception
+        from .release import empty_caches
         from .report import Attempt
 
         self._running.__exit__(None, None, None)

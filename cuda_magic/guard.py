@@ -7,13 +7,13 @@ no-argument callable; the retried variable is read and written through `get_valu
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .oom import oom_fields, oom_kind
-from .release import drop_exception, empty_caches
+from .notebook_refs import drop_exception
+from .release import empty_caches
 from .report import Attempt, FailurePoint, GuardReport, OomFields
 
 FATAL_NOTE = ("cuda_magic: this is not an out-of-memory error: after 'device-side assert triggered' or "
@@ -136,7 +136,7 @@ class GuardEngine:
     def run(self, call, report: GuardReport):
         """Returns (value of the last successful run, passthrough exception or None)."""
         __tracebackhide__ = True  # noqa: F841
-        from .retry import BatchSearch, scale_accumulation
+        from .retry import BatchSearch
 
         user_ns = getattr(self.shell, "user_ns", None)
         policy = None

@@ -60,7 +60,8 @@ class GuardAll:
         from .explain import diagnose
         from .guard import failure_point, short_oom_error
         from .oom import oom_fields
-        from .release import drop_exception, shared_holders, drop_exception_refs, empty_caches
+        from .notebook_refs import drop_exception, drop_exception_refs
+        from .release import empty_caches, shared_holders
         from .report import Attempt, GuardReport, OomFields
 
         shell = self.shell

@@ -74,7 +74,6 @@ class GuardMagics(Magics):
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
         from .guard import GuardEngine, short_oom_error
-        from .meter import choose_meter
         from .report import GuardReport
         from .runner import CompiledCell
 

@@ -130,7 +130,7 @@ def no_gpu(monkeypatch, fresh_nvml, torch_warm):
 
     import importlib
 
-    release = importlib.import_module("cuda_magic.release")   # `cuda_magic.release` is the function
+    release = importlib.import_module("cuda_magic.reach")
 
     torch = torch_warm
     if torch.cuda.is_initialized():

@@ -8,10 +8,9 @@ import pytest
 import torch
 from IPython.testing import globalipapp
 
-from cuda_magic.release import (
-    MissingNames, all_device_variables, clear_frame, cpu_tensor_bytes, drop_exception, drop_exception_refs,
-    drop_output_cache, free_variables, has_gpu, holds_device_memory, is_device_tensor, release,
-)
+from cuda_magic.notebook_refs import clear_frame, drop_exception, drop_exception_refs, drop_output_cache
+from cuda_magic.reach import has_gpu, holds_device_memory, is_device_tensor
+from cuda_magic.release import MissingNames, all_device_variables, cpu_tensor_bytes, free_variables, release
 
 CPU_IS_DEVICE = not has_gpu()
 needs_cpu_device = pytest.mark.skipif(not CPU_IS_DEVICE, reason="CPU tensors count only without a GPU")
@@ -266,7 +265,7 @@ def test_older_outputs_in_double_and_triple_underscore(ip):
 def test_user_variables_are_never_touched(ip):
     n = ip.run_cell("t = torch.ones(10)\nt", store_history=True).execution_count
     ip.run_cell(f"_x = t\nkeep = t\n_{n + 5} = torch.ones(3)\ndel t", store_history=True)
-    ip.run_cell(f"_ = torch.ones(4)", store_history=True)  # the user's own `_`
+    ip.run_cell("_ = torch.ones(4)", store_history=True)  # the user's own `_`
     user_underscore = ip.user_ns["_"]
     ref = weakref.ref(ip.user_ns["keep"])
     report = release(ip)

@@ -1,0 +1,214 @@
+"""The references only the notebook machinery holds after an error or a displayed result: `sys.last_*`,
+IPython's stored traceback and last result, the traceback's frames (and their cached `f_locals`), and
+the output cache (`_`, `__`, `___`, `_N`, `Out[N]`, the displayhook's own attributes). Dropping them
+never touches a user variable."""
+from __future__ import annotations
+
+import re
+import sys
+
+from .reach import holds_device_memory
+
+_OUT_NAME = re.compile(r"_([0-9]+)")
+_UNDERS = ("_", "__", "___")
+_SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
+_CO_OPTIMIZED = 0x0001
+
+
+def _get_shell(shell):
+    if shell is not None or "IPython" not in sys.modules:   # a plain script never imports IPython here
+        return shell
+    from IPython.core.getipython import get_ipython
+
+    return get_ipython()
+
+
+def _exception_family(exc) -> list[BaseException]:
+    """exc and every exception chained to it (`__cause__`, `__context__`, group members), once each."""
+    found: list[BaseException] = []
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        found.append(e)
+        stack += [e.__cause__, e.__context__]
+        stack += list(getattr(e, "exceptions", ()) or ())
+    return found
+
+
+def _frames_of(tb) -> list:
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def clear_frame(frame, user_ns=None) -> bool:
+    """Drop a finished frame's locals. Module-level frames (whose locals are a namespace) are left alone;
+    executing frames cannot be cleared. Returns whether the frame was cleared."""
+    optimized = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
+    if not optimized:
+        f_locals = frame.f_locals
+        if f_locals is frame.f_globals or (user_ns is not None and f_locals is user_ns):
+            return False
+    try:
+        frame.clear()
+    except RuntimeError:  # still executing (e.g. the caller's own frame)
+        return False
+    if optimized and sys.version_info < (3, 13):
+        # 3.11/3.12: clear() leaves the cached f_locals dict (filled by any formatter that read it)
+        # holding the old values; reading f_locals again resyncs it with the now empty fast locals.
+        frame.f_locals
+    return True
+
+
+def clear_traceback_frames(tb, user_ns=None) -> int:
+    """Clear every frame of a traceback; returns how many were cleared."""
+    return sum(clear_frame(f, user_ns) for f in _frames_of(tb))
+
+
+def drop_exception(exc, *, user_ns=None, sever: bool = True) -> int:
+    """Make an exception hold nothing: clear the frames of its traceback and of every exception chained
+    to it; with `sever`, also cut `__traceback__`, `__context__` and `__cause__`. Returns frames cleared.
+    Call it outside the `except` block that caught exc (there the frames are still executing)."""
+    cleared = 0
+    family = _exception_family(exc)
+    for e in family:
+        cleared += clear_traceback_frames(e.__traceback__, user_ns)
+    if sever:
+        for e in family:
+            e.__traceback__ = None
+            e.__context__ = None
+            e.__cause__ = None
+    return cleared
+
+
+def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
+    """Drop the last exception everywhere the interpreter and IPython keep it, clearing its frames.
+    Returns what was (or, with dry_run, would be) dropped, by name."""
+    shell = _get_shell(shell)
+    user_ns = getattr(shell, "user_ns", None)
+    dropped: list[str] = []
+    excs: list = []
+    tbs: list = []
+
+    for attr in ("last_value", "last_exc"):
+        if getattr(sys, attr, None) is not None:
+            excs.append(getattr(sys, attr))
+    if getattr(sys, "last_traceback", None) is not None:
+        tbs.append(sys.last_traceback)
+    if any(getattr(sys, a, None) is not None for a in _SYS_LAST):
+        dropped.append("sys.last_value")
+
+    itb = getattr(shell, "InteractiveTB", None)
+    if getattr(itb, "tb", None) is not None:
+        tbs.append(itb.tb)
+        dropped.append("IPython's stored traceback")
+
+    result = getattr(shell, "last_execution_result", None)
+    if getattr(result, "error_in_exec", None) is not None:
+        excs.append(result.error_in_exec)
+        dropped.append("IPython's last error")
+    result_holds = result is not None and getattr(result, "result", None) is not None \
+        and holds_device_memory(result.result) > 0
+    if result_holds:
+        dropped.append("IPython's last result")
+
+    if dry_run:
+        return dropped
+
+    for exc in excs:
+        drop_exception(exc, user_ns=user_ns, sever=False)
+    for tb in tbs:
+        clear_traceback_frames(tb, user_ns)
+    for attr in _SYS_LAST:
+        if hasattr(sys, attr):
+            delattr(sys, attr)
+    if itb is not None and getattr(itb, "tb", None) is not None:
+        itb.tb = None
+    if getattr(result, "error_in_exec", None) is not None:
+        result.error_in_exec = None
+    if result_holds:
+        result.result = None
+    return dropped
+
+
+
+def _is_output_cache_name(shell, name: str, value) -> bool:
+    """Whether user_ns[name] is an output-cache entry (not a user variable of the same name)."""
+    hidden = getattr(shell, "user_ns_hidden", {}) or {}
+    if name in _UNDERS:
+        return value is getattr(shell.displayhook, name, object())
+    match = _OUT_NAME.fullmatch(name)
+    if not match:
+        return False
+    output_hist = _output_hist(shell)
+    n = int(match.group(1))
+    if n in output_hist and output_hist[n] is value:
+        return True
+    return name in hidden and hidden[name] is value
+
+
+def _output_hist(shell) -> dict:
+    hm = getattr(shell, "history_manager", None)
+    hist = getattr(hm, "output_hist", None)
+    if isinstance(hist, dict):
+        return hist
+    out = shell.user_ns.get("Out")
+    return out if isinstance(out, dict) else {}
+
+
+def drop_output_cache(shell, *, only_device: bool = True, dry_run: bool = False) -> list[str]:
+    """Drop output-cache entries (only those holding device tensors, by default) and name them:
+    'Out[7]', '_7', '_'. A user variable is never touched, even one named `_x` or `_7`."""
+    shell = _get_shell(shell)
+    if shell is None:
+        return []
+
+    def wanted(value) -> bool:
+        return not only_device or holds_device_memory(value) > 0
+
+    user_ns = shell.user_ns
+    hidden = getattr(shell, "user_ns_hidden", {}) or {}
+    output_hist = _output_hist(shell)
+    dropped: list[str] = []
+    actions = []
+
+    for n, value in list(output_hist.items()):
+        if not wanted(value):
+            continue
+        dropped.append(f"Out[{n}]")
+        actions.append(lambda n=n: output_hist.pop(n, None))
+    for ns, where in ((user_ns, ""), (hidden, " (hidden)")):
+        for name, value in list(ns.items()):
+            match = _OUT_NAME.fullmatch(name)
+            if not match or not wanted(value):
+                continue
+            n = int(match.group(1))
+            is_cache = ns is hidden or (n in output_hist and output_hist[n] is value) \
+                or (name in hidden and hidden[name] is value)
+            if not is_cache:
+                continue
+            if not where:
+                dropped.append(name)
+            actions.append(lambda ns=ns, name=name: ns.pop(name, None))
+
+    displayhook = getattr(shell, "displayhook", None)
+    for name in _UNDERS:
+        value = getattr(displayhook, name, None)
+        if value is None or isinstance(value, str) or not wanted(value):
+            continue
+        dropped.append(name)
+        for ns in (user_ns, hidden):
+            if name in ns and ns[name] is value:
+                actions.append(lambda ns=ns, name=name: ns.__setitem__(name, ""))
+        actions.append(lambda name=name: setattr(displayhook, name, ""))
+
+    if not dry_run:
+        for act in actions:
+            act()
+    return dropped

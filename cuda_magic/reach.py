@@ -1,0 +1,176 @@
+"""What a Python object keeps on a device: the tensors reachable from it (module parameters and grads,
+optimizer state, containers, attributes, what an autograd graph saved), counted once per storage.
+torch is looked up in sys.modules, never imported: a tensor exists only once the user imported torch."""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+#: Objects visited at most by one reachability walk, and how deep it goes.
+DEFAULT_LIMIT = 100_000
+DEFAULT_DEPTH = 8
+
+SKIP_TYPES = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+              types.CodeType, types.FrameType, types.TracebackType, str, bytes, int, float, complex, bool,
+              type(None))
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+@functools.lru_cache(maxsize=None)
+def has_gpu() -> bool:
+    """Whether this process can use a GPU (CUDA/ROCm, MPS or XPU). Asked once, then cached."""
+    torch = _torch()
+    if torch is None:
+        import torch  # only reached when asked directly; is_device_tensor never gets here without torch
+    try:
+        if torch.cuda.is_initialized() or torch.cuda.is_available():
+            return True
+    except (AssertionError, RuntimeError):
+        pass
+    mps = getattr(getattr(torch, "backends", None), "mps", None)
+    if mps is not None and mps.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and hasattr(xpu, "is_available") and xpu.is_available():
+        return True
+    return False
+
+
+def device_kinds() -> tuple[str, ...]:
+    """Device types whose tensors count as device tensors: the GPUs, or the CPU where there is no GPU."""
+    return ("cuda", "mps", "xpu") if has_gpu() else ("cpu",)
+
+
+def is_device_tensor(t) -> bool:
+    """True for a tensor on a GPU; on a machine with no GPU at all, for a CPU tensor (SPEC: the CPU is
+    the device there)."""
+    torch = _torch()
+    if torch is None or not issubclass(type(t), torch.Tensor):
+        return False
+    try:
+        kind = t.device.type
+    except Exception:  # exotic subclasses (fake/functional tensors) may refuse; they hold no memory here
+        return False
+    return kind in device_kinds()
+
+
+def storage_key_and_bytes(t) -> tuple[int, int]:
+    """(an id of the tensor's storage, the storage's bytes). Views of one storage give the same id."""
+    try:
+        storage = t.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        # sparse and some wrapper tensors have no single storage: count the tensor itself
+        try:
+            return id(t), t.element_size() * t.nelement()
+        except Exception:
+            return id(t), 0
+
+
+
+def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH):
+    """Yield the tensors reachable from obj: itself, module parameters/grads/buffers, optimizer state,
+    containers, objects' `__dict__`, and the tensors an autograd graph saved. Walks at most `limit`
+    objects and `depth` levels; each object once."""
+    torch = _torch()
+    if torch is None:
+        return
+    tensor_type = torch.Tensor
+    module_type = torch.nn.Module
+    optimizer_type = torch.optim.Optimizer
+    node_type = torch.autograd.graph.Node
+    seen: set[int] = set()
+    stack = [(obj, 0)]
+    budget = limit
+    while stack and budget > 0:
+        item, level = stack.pop()
+        if id(item) in seen or isinstance(item, SKIP_TYPES):
+            continue
+        seen.add(id(item))
+        budget -= 1
+        if issubclass(type(item), tensor_type):
+            yield item
+            for extra in _tensor_extras(item):
+                stack.append((extra, level + 1))
+            continue
+        if level >= depth:
+            continue
+        children = ()
+        if isinstance(item, module_type):
+            children = _module_children(item)
+        elif isinstance(item, optimizer_type):
+            children = [list(item.state.items()), item.param_groups]
+        elif isinstance(item, dict):
+            children = [c for kv in list(item.items()) for c in kv]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = list(item)
+        elif isinstance(item, node_type):
+            children = _graph_node_children(item)
+        else:
+            try:
+                attrs = vars(item)
+            except TypeError:  # no __dict__ (slots, C types)
+                attrs = None
+            if isinstance(attrs, dict):
+                children = list(attrs.values())
+        for child in children:
+            stack.append((child, level + 1))
+
+
+def _tensor_extras(t):
+    """What a tensor keeps alive besides its storage: its grad (leaves) and its autograd graph."""
+    extras = []
+    try:
+        if t.is_leaf:
+            if t.grad is not None:
+                extras.append(t.grad)
+        elif t.grad_fn is not None:
+            extras.append(t.grad_fn)
+    except Exception:
+        pass
+    return extras
+
+
+def _module_children(module):
+    children = list(module.parameters())
+    children += [p.grad for p in children if p.grad is not None]
+    children += list(module.buffers())
+    torch = _torch()
+    for sub in module.modules():  # plain tensor attributes, not registered as buffers
+        children += [v for v in vars(sub).values() if issubclass(type(v), torch.Tensor)]
+    return children
+
+
+@functools.lru_cache(maxsize=512)
+def _saved_attrs(node_type) -> tuple[str, ...]:
+    return tuple(a for a in dir(node_type) if a.startswith("_saved_"))
+
+
+def _graph_node_children(node):
+    children = [fn for fn, _ in node.next_functions if fn is not None]
+    for attr in _saved_attrs(type(node)):
+        try:
+            children.append(getattr(node, attr))
+        except RuntimeError:  # freed by backward()
+            pass
+    return children
+
+
+def device_storages(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT_DEPTH) -> dict[int, int]:
+    """{storage id: bytes} of the distinct device storages reachable from obj."""
+    storages: dict[int, int] = {}
+    for t in iter_tensors(obj, limit=limit, depth=depth):
+        if is_device_tensor(t):
+            key, nbytes = storage_key_and_bytes(t)
+            storages[key] = nbytes
+    return storages
+
+
+def holds_device_memory(obj, limit: int = DEFAULT_LIMIT, *, depth: int = DEFAULT_DEPTH) -> int:
+    """Bytes of the distinct device storages reachable from obj (each storage counted once)."""
+    storages = device_storages(obj, limit, depth=depth)
+    return sum(storages.values())
