@@ -82,7 +82,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _run(self, call, arguments):
         __tracebackhide__ = True  # noqa: F841
-        from .guard import GuardEngine, short_oom_error
+        from .guard import GuardEngine, diagnose_report, finish_report, short_oom_error
         from .meter import choose_meter, metered_devices
         from .report import GuardReport
 
@@ -102,13 +102,10 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         try:
             result, passthrough = engine.run(call, report)
         finally:
-            report.after = metered_devices(meter)
-            peaks = [a.peak for a in report.attempts if a.peak is not None]
-            report.peaks[meter.key] = max(peaks) if peaks else None
+            finish_report(report, meter)
         if report.oom is not None:
-            report.diagnosis = _diagnose(report, meter, self.amp)
+            report.diagnosis = diagnose_report(report, meter, amp=self.amp is not None)
         handle.finish(report)
-        self.report = report
         if passthrough is not None:
             raise passthrough
         if report.outcome == "oom" and self.raise_on_oom:
@@ -135,13 +132,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         return self.report
 
     def __exit__(self, etype, value, tb):
-        import gc
-        import time
-
-        from .guard import failure_point, short_oom_error
+        from .guard import diagnose_report, failure_point, free_failure, short_oom_error
         from .oom import oom_fields, oom_kind
-        from .notebook_refs import drop_exception
-        from .release import empty_caches
         from .report import Attempt
 
         self._running.__exit__(None, None, None)
@@ -157,35 +149,17 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         report.failure = failure_point(tb, None, None)
         report.attempts.append(Attempt(None, "oom", peak, report.oom.requested if report.oom else None,
                                        start_allocated=self._start))
-        at_failure = meter.reserved()
-        drop_exception(value)
-        del value, tb
-        gc.collect()
-        empty_caches()
-        after = meter.reserved()
-        if at_failure is not None and after is not None:
-            report.reclaimed[meter.key] = max(0, at_failure - after)
+        del tb
+        reclaimed = free_failure(value, meter)
+        del value
+        if reclaimed is not None:
+            report.reclaimed[meter.key] = reclaimed
         report.outcome = "oom"
-        report.diagnosis = _diagnose(report, meter, self.amp)
+        report.diagnosis = diagnose_report(report, meter, amp=self.amp is not None)
         if not self.quiet:
             from .display.show import show_guard
 
             show_guard(report).finish(report)
-        del time
         if self.raise_on_oom:
             raise short_oom_error(report)
         return True
-
-
-def _diagnose(report, meter, amp):
-    from .allocator_conf import current_allocator_conf
-    from .explain import diagnose
-    from .report import OomFields
-
-    try:
-        capacity = meter.capacity()
-    except Exception:
-        capacity = None
-    return diagnose(report.oom or OomFields(), amp=amp is not None, device_capacity=capacity,
-                    peak=report.peaks.get(meter.key), alloc_conf=current_allocator_conf(),
-                    limit=report.limit, batch_var=report.variable, accum_var=report.accumulate)

@@ -106,15 +106,46 @@ def run_once(call, meter, *, limit=None, amp=None, filename=None, lines=None, us
         failed = exc
     else:
         return RunOutcome("ok", time.perf_counter() - t0, start, meter.peak()), value
-    reserved_at_failure = meter.reserved()
-    drop_exception(failed, user_ns=user_ns)
+    outcome.reclaimed = free_failure(failed, meter, user_ns=user_ns)
     del failed
+    return outcome, None
+
+
+def free_failure(exc, meter, *, user_ns=None) -> int | None:
+    """Free what a failed run held: clear and sever the exception's frames, then a gc pass, then the
+    allocator cache, in that order. Call it outside the `except` block. Returns the bytes the device got
+    back (reserved before minus after), or None where the meter cannot say."""
+    reserved_at_failure = meter.reserved()
+    drop_exception(exc, user_ns=user_ns)
     gc.collect()
     empty_caches()
     after = meter.reserved()
-    if reserved_at_failure is not None and after is not None:
-        outcome.reclaimed = max(0, reserved_at_failure - after)
-    return outcome, None
+    if reserved_at_failure is None or after is None:
+        return None
+    return max(0, reserved_at_failure - after)
+
+
+def finish_report(report: GuardReport, meter) -> None:
+    """The device after the run, and the highest peak of its attempts."""
+    from .meter import metered_devices
+
+    report.after = metered_devices(meter)
+    peaks = [a.peak for a in report.attempts if a.peak is not None]
+    report.peaks[meter.key] = max(peaks) if peaks else None
+
+
+def diagnose_report(report: GuardReport, meter, *, amp: bool, holders=()):
+    """Why the report's OOM happened, with ranked advice."""
+    from .allocator_conf import current_allocator_conf
+    from .explain import diagnose
+
+    try:
+        capacity = meter.capacity()
+    except Exception:
+        capacity = None
+    return diagnose(report.oom or OomFields(), holders=holders, amp=amp, device_capacity=capacity,
+                    peak=report.peaks.get(meter.key), alloc_conf=current_allocator_conf(),
+                    limit=report.limit, batch_var=report.variable, accum_var=report.accumulate)
 
 
 class GuardEngine:

@@ -73,7 +73,7 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        from .guard import GuardEngine, short_oom_error
+        from .guard import GuardEngine, diagnose_report, finish_report, short_oom_error
         from .report import GuardReport
         from .runner import CompiledCell
 
@@ -96,13 +96,16 @@ class GuardMagics(Magics):
         try:
             _, passthrough = engine.run(compiled, report)
         except KeyboardInterrupt:
-            _finish(report, meter)
+            finish_report(report, meter)
             handle.finish(report)
             raise
         del compiled
-        _finish(report, meter)
+        finish_report(report, meter)
         if report.oom is not None:
-            report.diagnosis = _diagnose(self.shell, report, args, meter)
+            from .release import shared_holders
+
+            report.diagnosis = diagnose_report(report, meter, amp=args.amp is not None,
+                                               holders=shared_holders(self.shell))
         if not args.quiet:
             handle.finish(report)
         elif report.outcome == "oom":
@@ -184,33 +187,7 @@ def _check_device(text: str) -> str:
     return parse_device(text, keys)
 
 
-def _finish(report, meter) -> None:
-    from .meter import metered_devices
-
-    report.after = metered_devices(meter)
-    peaks = [a.peak for a in report.attempts if a.peak is not None]
-    report.peaks[meter.key] = max(peaks) if peaks else None
-
-
 def _show_final(report) -> None:
     from .display.show import show_guard
 
     show_guard(report).finish(report)
-
-
-def _diagnose(shell, report, args, meter):
-    from .allocator_conf import current_allocator_conf
-    from .explain import diagnose
-    from .release import shared_holders
-    from .report import OomFields
-
-    holders = shared_holders(shell)
-    fields = report.oom or OomFields()
-    capacity = None
-    try:
-        capacity = meter.capacity()
-    except Exception:
-        pass
-    return diagnose(fields, holders=holders, amp=args.amp is not None, device_capacity=capacity,
-                    peak=report.peaks.get(meter.key), alloc_conf=current_allocator_conf(),
-                    limit=report.limit, batch_var=report.variable, accum_var=report.accumulate)
