@@ -139,7 +139,7 @@ def process_rss() -> tuple[int | None, int | None]:
     try:
         with open("/proc/self/status", "rb") as fh:
             text = fh.read()
-        rss, hwm = _status_bytes(text, b"\nVmRSS:"), _status_bytes(text, b"\nVmHWM:")
+        rss, hwm = status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
     except OSError:
         import resource
 
@@ -148,7 +148,7 @@ def process_rss() -> tuple[int | None, int | None]:
     return rss, hwm
 
 
-def _status_bytes(text: bytes, field: bytes) -> int | None:
+def status_bytes(text: bytes, field: bytes) -> int | None:
     """A `kB` field of /proc/self/status (`field` with its leading newline), in bytes."""
     i = text.find(field)
     return int(text[i + len(field):text.index(b"kB", i)]) * 1024 if i >= 0 else None

@@ -4,7 +4,6 @@ and dict items, attributes, the output cache, the last error's traceback). Holds
 """
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -12,6 +11,7 @@ import types
 from itertools import chain
 
 from .model import TensorRecord
+from .reach import saved_attrs
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
                      type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -90,7 +90,7 @@ class _Namer:
                 continue
             self.graph_seen.add(id(node))
             self.graph_nodes += 1
-            for attr in _saved_attrs(type(node)):
+            for attr in saved_attrs(type(node)):
                 try:
                     saved = getattr(node, attr)
                 except (RuntimeError, AttributeError):   # freed by backward()
@@ -216,11 +216,6 @@ def _holds_only_data(level: list, kinds: set, levels: int) -> bool:
     except RuntimeError:   # another thread changed a dict or set meanwhile: let the walk decide
         return False
     return True
-
-
-@functools.lru_cache(maxsize=512)
-def _saved_attrs(node_type) -> tuple[str, ...]:
-    return tuple(a for a in dir(node_type) if a.startswith("_saved_"))
 
 
 def _key_text(k) -> str:

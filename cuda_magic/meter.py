@@ -92,9 +92,9 @@ class CpuMeter:
     key = "cpu"
 
     def __init__(self):
-        from .watch import _ProcReader
+        from .watch import shared_reader
 
-        self.proc = _ProcReader()
+        self.proc = shared_reader()
 
     def allocated(self) -> int | None:
         return self.proc.rss_and_peak()[0]

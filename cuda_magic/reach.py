@@ -146,13 +146,13 @@ def _module_children(module):
 
 
 @functools.lru_cache(maxsize=512)
-def _saved_attrs(node_type) -> tuple[str, ...]:
+def saved_attrs(node_type) -> tuple[str, ...]:
     return tuple(a for a in dir(node_type) if a.startswith("_saved_"))
 
 
 def _graph_node_children(node):
     children = [fn for fn, _ in node.next_functions if fn is not None]
-    for attr in _saved_attrs(type(node)):
+    for attr in saved_attrs(type(node)):
         try:
             children.append(getattr(node, attr))
         except RuntimeError:  # freed by backward()

@@ -15,6 +15,7 @@ try:
 except ImportError:   # Windows
     resource = None
 
+from .backends import status_bytes
 from .model import CellRecord
 from .simulated import active_device
 
@@ -53,14 +54,7 @@ class _ProcReader:
         if self.status_fd is None:
             return None, None
         text = os.pread(self.status_fd, 4096, 0)
-        rss = hwm = None
-        i = text.find(b"VmHWM:")
-        if i >= 0:
-            hwm = int(text[i + 6:text.index(b"kB", i)]) * 1024
-        i = text.find(b"VmRSS:")
-        if i >= 0:
-            rss = int(text[i + 6:text.index(b"kB", i)]) * 1024
-        return rss, hwm
+        return status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
 
     def rss(self) -> int | None:
         """Resident bytes now, from /proc/self/statm (its second field, in pages)."""
@@ -98,12 +92,22 @@ class _ProcReader:
         self.status_fd = self.clear_fd = self.statm_fd = None
 
     def __del__(self):
-        # meter.CpuMeter makes a reader per guarded cell and never closes it: without this, every
-        # `%%oomguard` cell on the CPU left its descriptors open until the process ran out of them
+        # a reader dropped without close() (a watcher never stopped) gives its descriptors back
         try:
             self.close()
         except OSError:
             pass
+
+
+_shared = None
+
+
+def shared_reader() -> _ProcReader:
+    """One reader for every guarded cell on the CPU: its descriptors are opened once per process."""
+    global _shared
+    if _shared is None:
+        _shared = _ProcReader()
+    return _shared
 
 
 class CellWatcher:
