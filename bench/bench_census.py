@@ -4,7 +4,7 @@
 
 Side by side, in one process and interleaved run by run (each figure is a median): a bare scan
 `[o for o in gc.get_objects() if isinstance(o, torch.Tensor)]` (finds, names nothing), the census
-`cuda_magic.snapshot.snapshot(shell)` of a real IPython shell whose user_ns holds the heap, the whole
+`cuda_magic.memory.capture.snapshot(shell)` of a real IPython shell whose user_ns holds the heap, the whole
 `%gpumem -q` magic, and pytorch_memlab's `MemReporter` (a peer; skipped with a note where it is not
 installed: it is not a dependency of cuda_magic). Goals: the census at most 1.5x the bare scan, and faster
 than MemReporter, while naming the tensors.
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     import torch
     from IPython.core.interactiveshell import InteractiveShell
 
-    from cuda_magic.snapshot import snapshot
+    from cuda_magic.memory.capture import snapshot
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "cuda_magic")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_retry.py [--tensors N]
 
 Policies: (a) halving, what `%%oomguard -r VAR` does; (b) halving then bisection to the exact maximum, the
-naive search; (c) `%%oomguard -r VAR --search` (cuda_magic.retry.BatchSearch); (d) accelerate's
+naive search; (c) `%%oomguard -r VAR --search` (cuda_magic.recover.retry.BatchSearch); (d) accelerate's
 `find_executable_batch_size` (multiplies by 0.9 on each OOM; skipped with a note where accelerate is not
 installed: it is not a dependency of cuda_magic).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_magic.retry import BatchSearch  # noqa: E402
+from cuda_magic.recover.retry import BatchSearch  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 STARTS = (4096, 1000, 300)
@@ -69,8 +69,8 @@ class SimRunner:
     def __call__(self, value: int) -> Outcome:
         import torch
 
-        from cuda_magic.oom import parse_oom_message
-        from cuda_magic.simulated import SimulatedDevice
+        from cuda_magic.oom.classify import parse_oom_message
+        from cuda_magic.devices.simulated import SimulatedDevice
 
         dev = SimulatedDevice(self.capacity)
         with dev:

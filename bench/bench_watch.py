@@ -38,7 +38,7 @@ def run_block(shell, cells: int) -> tuple[float, float]:
 
 def set_watch(shell, variant: str) -> None:
     from cuda_magic.display.show import show_watch
-    from cuda_magic.state import get_state
+    from cuda_magic.magics.state import get_state
 
     if variant == "off":
         shell.run_line_magic("gpumem", "--unwatch -q")

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# These three share their names with the modules that define them. Importing them here binds the
-# package attributes to the functions once; a later `import cuda_magic.release` then finds the module in
-# sys.modules and leaves the attribute alone. The modules import only the standard library.
-from .explain import explain  # noqa: E402
-from .release import release  # noqa: E402
-from .snapshot import snapshot  # noqa: E402
-
 _API = {
-    "diff": ("cuda_magic.model", "diff"),
-    "is_oom": ("cuda_magic.oom", "is_oom"),
+    "diff": ("cuda_magic.memory.records", "diff"),
+    "explain": ("cuda_magic.oom.diagnosis", "explain"),
+    "release": ("cuda_magic.recover.cleanup", "release"),
+    "snapshot": ("cuda_magic.memory.capture", "snapshot"),
+    "is_oom": ("cuda_magic.oom.classify", "is_oom"),
     "oomguard": ("cuda_magic.api", "oomguard"),
-    "SimulatedDevice": ("cuda_magic.simulated", "SimulatedDevice"),
-    "simulated_device": ("cuda_magic.simulated", "simulated_device"),
+    "SimulatedDevice": ("cuda_magic.devices.simulated", "SimulatedDevice"),
+    "simulated_device": ("cuda_magic.devices.simulated", "simulated_device"),
     "parse_size": ("cuda_magic.units", "parse_size"),
 }
 
-__all__ = sorted([*_API, "explain", "release", "snapshot", "load_ipython_extension", "unload_ipython_extension"])
+__all__ = sorted([*_API, "load_ipython_extension", "unload_ipython_extension"])
 
 
 def __getattr__(name: str):
@@ -43,12 +39,12 @@ def __dir__():
 
 
 def load_ipython_extension(shell) -> None:
-    from .extension import load
+    from cuda_magic.magics.extension import load
 
     load(shell)
 
 
 def unload_ipython_extension(shell) -> None:
-    from .extension import unload
+    from cuda_magic.magics.extension import unload
 
     unload(shell)

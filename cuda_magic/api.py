@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from .units import SizeError, is_positive_int, parse_size
+from cuda_magic.units import SizeError, is_positive_int, parse_size
 
 
 class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
@@ -82,9 +82,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _run(self, call, arguments):
         __tracebackhide__ = True  # noqa: F841
-        from .guard import GuardEngine, diagnose_report, finish_report, short_oom_error
-        from .meter import choose_meter, metered_devices
-        from .report import GuardReport
+        from cuda_magic.recover.engine import GuardEngine, diagnose_report, finish_report, short_oom_error
+        from cuda_magic.devices.meter import choose_meter, metered_devices
+        from cuda_magic.recover.report import GuardReport
 
         meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                     lambda text, cap: parse_size(text, cap))
@@ -92,7 +92,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
                              source="oomguard")
         report.before = metered_devices(meter)
         self.report = report
-        from .display.show import show_guard
+        from cuda_magic.display.show import show_guard
 
         handle = show_guard(report, quiet=self.quiet)
         engine = GuardEngine(meter, limit=limit, amp=self.amp, variable=self.retry,
@@ -118,8 +118,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     def __enter__(self):
         if self.retry is not None:
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
-        from .meter import choose_meter
-        from .report import GuardReport
+        from cuda_magic.devices.meter import choose_meter
+        from cuda_magic.recover.report import GuardReport
 
         self._meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                           lambda text, cap: parse_size(text, cap))
@@ -132,9 +132,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         return self.report
 
     def __exit__(self, etype, value, tb):
-        from .guard import diagnose_report, failure_point, free_failure, short_oom_error
-        from .oom import oom_fields, oom_kind
-        from .report import Attempt
+        from cuda_magic.recover.engine import diagnose_report, failure_point, free_failure, short_oom_error
+        from cuda_magic.oom.classify import oom_fields, oom_kind
+        from cuda_magic.recover.report import Attempt
 
         self._running.__exit__(None, None, None)
         report, meter = self.report, self._meter
@@ -157,7 +157,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         report.outcome = "oom"
         report.diagnosis = diagnose_report(report, meter, amp=self.amp is not None)
         if not self.quiet:
-            from .display.show import show_guard
+            from cuda_magic.display.show import show_guard
 
             show_guard(report).finish(report)
         if self.raise_on_oom:

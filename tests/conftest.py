@@ -32,7 +32,7 @@ def torch_warm():
     """torch imported, and the simulated device's first use (torch loads its meta kernels) paid once."""
     import torch
 
-    from cuda_magic.simulated import SimulatedDevice
+    from cuda_magic.devices.simulated import SimulatedDevice
 
     with SimulatedDevice(1 << 20):
         torch.zeros(4) + torch.ones(4)
@@ -56,7 +56,7 @@ def _clean_notebook_refs(ip) -> None:
 
 def unload_everything(ip) -> None:
     """`%oomguard off`, stop the simulated session, `%unload_ext`: what a test may have turned on."""
-    from cuda_magic.simulated import stop_session
+    from cuda_magic.devices.simulated import stop_session
 
     if "cuda_magic" in ip.extension_manager.loaded:
         ip.run_line_magic("oomguard", "off")
@@ -114,7 +114,7 @@ def run_ok(ip, cell: str, *, store_history: bool = False):
 @pytest.fixture
 def fresh_nvml(monkeypatch):
     """A new NVML singleton for this test (the module's one remembers its first failure)."""
-    from cuda_magic import nvml
+    from cuda_magic.devices import nvml
 
     monkeypatch.setattr(nvml, "_nvml", nvml.Nvml())
     yield
@@ -128,9 +128,7 @@ def no_gpu(monkeypatch, fresh_nvml, torch_warm):
     initialised CUDA or an MPS device is present."""
     import pynvml
 
-    import importlib
-
-    release = importlib.import_module("cuda_magic.reach")
+    from cuda_magic.devices import probe
 
     torch = torch_warm
     if torch.cuda.is_initialized():
@@ -143,9 +141,11 @@ def no_gpu(monkeypatch, fresh_nvml, torch_warm):
 
     monkeypatch.setattr(pynvml, "nvmlInit", not_found)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    release.has_gpu.cache_clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    probe.forget()
     yield
-    release.has_gpu.cache_clear()
+    probe.forget()
+
 
 def tensors_reachable(root, ip, limit: int = 200_000) -> list:
     """Tensors reachable from `root` through gc referents, not going through the shell, namespaces,

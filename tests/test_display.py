@@ -6,8 +6,11 @@ import textwrap
 
 import pytest
 
-from cuda_magic.model import CellRecord, DeviceMemory, ProcessMemory, Snapshot, TensorRecord, diff
-from cuda_magic.report import Advice, Attempt, Diagnosis, FailurePoint, GuardReport, OomFields, ReleaseReport
+from cuda_magic.memory.records import CellRecord, Snapshot, TensorRecord, diff
+
+from cuda_magic.devices.records import DeviceMemory, ProcessMemory
+from cuda_magic.oom.records import Advice, Diagnosis, OomFields
+from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport, ReleaseReport
 from cuda_magic.units import format_bytes
 
 GiB, MiB = 1024**3, 1024**2
@@ -97,7 +100,7 @@ def cell_records():
 
 from cuda_magic.display import html as H  # noqa: E402
 from cuda_magic.display import text as T  # noqa: E402
-from cuda_magic.model import PARTS  # noqa: E402
+from cuda_magic.devices.records import PARTS  # noqa: E402
 
 
 @pytest.mark.parametrize("make", [cuda_device, simulated_device, cpu_device])
@@ -432,8 +435,9 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
 KERNEL_CELLS = [
     """
 from cuda_magic.display.show import display_form, show, show_guard
-from cuda_magic.model import DeviceMemory, Snapshot
-from cuda_magic.report import Attempt, GuardReport
+from cuda_magic.devices.records import DeviceMemory
+from cuda_magic.memory.records import Snapshot
+from cuda_magic.recover.report import Attempt, GuardReport
 GiB = 1024**3
 dev = DeviceMemory('sim:0', 'simulated GPU', 'simulated', 8 * GiB, torch_allocated=GiB, torch_cached=0,
                    other_this_process=0, other_processes=0, free=7 * GiB, peak=2 * GiB)

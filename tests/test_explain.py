@@ -1,12 +1,10 @@
 """Diagnosis and advice (explain.py) and the allocator settings they paste (allocator_conf.py)."""
 import pytest
 
-from cuda_magic.allocator_conf import (NEW_SETTER, OLD_SETTER, current_allocator_conf,
-                                       enable_expandable_segments, expandable_segments_line, merge_conf,
-                                       parse_conf, runtime_allocator_conf)
-from cuda_magic.explain import CAUSE_LABELS, diagnose, explain
-from cuda_magic.oom import FATAL_NOTE
-from cuda_magic.report import OomFields
+from cuda_magic.devices.allocator_conf import (NEW_SETTER, OLD_SETTER, current_allocator_conf, enable_expandable_segments, expandable_segments_line, merge_conf, parse_conf, runtime_allocator_conf)
+from cuda_magic.oom.diagnosis import CAUSE_LABELS, diagnose, explain
+from cuda_magic.oom.classify import FATAL_NOTE
+from cuda_magic.oom.records import OomFields
 from cuda_magic.units import format_bytes
 
 from oom_messages import FATAL, MESSAGES

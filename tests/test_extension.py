@@ -34,7 +34,7 @@ def test_load_registers_the_magics_once(bare_ip):
 
 
 def test_unload_removes_magics_and_every_hook(bare_ip, torch_warm):
-    from cuda_magic.simulated import active_device
+    from cuda_magic.devices.simulated import active_device
 
     ip = bare_ip
     callbacks_before = _callbacks(ip)

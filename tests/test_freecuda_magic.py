@@ -115,7 +115,7 @@ def test_offload_takes_tensors_off_the_simulated_device_keeping_data_and_identit
     run_ok(tip, "model = torch.nn.Linear(512, 512)\nopt = torch.optim.Adam(model.parameters())\n"
                 "model(torch.randn(4, 512)).sum().backward(); opt.step()\n"
                 "w = model.weight; saved = model.weight.detach().clone()\n"
-                "from cuda_magic.simulated import active_device\nbefore = active_device().allocated")
+                "from cuda_magic.devices.simulated import active_device\nbefore = active_device().allocated")
     report = tip.run_line_magic("freecuda", "model opt --offload -q -o")
     sim = tip.user_ns["active_device"]()
     # weight, its grad, exp_avg and exp_avg_sq: 4 x 1 MiB left the device; `saved` (1 MiB) did not

@@ -158,8 +158,8 @@ def test_watch_records_each_cell_with_the_exact_peak(tip, capsys):
     assert list(history["peak"]) == [4000 + 2**20, 4000 + 1024]
     assert list(history["allocated_delta"]) == [0, 1024]
     assert all(history["peak_exact"])
-    from cuda_magic.model import CellRecord
-    from cuda_magic.state import get_state
+    from cuda_magic.memory.records import CellRecord
+    from cuda_magic.magics.state import get_state
 
     records = get_state(tip).history
     assert len(records) == 2 and all(type(r) is CellRecord for r in records)
@@ -205,7 +205,7 @@ def test_processes_runs_without_gpu(tip, capsys):
     "--simulate 0", "--simulate -5GiB", "-d nonsense",
 ])
 def test_bad_flags_are_one_line_usage_errors(ip, line):
-    from cuda_magic.simulated import active_device
+    from cuda_magic.devices.simulated import active_device
 
     with pytest.raises(UsageError) as excinfo:
         ip.run_line_magic("gpumem", line)

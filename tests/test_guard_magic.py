@@ -50,7 +50,7 @@ def test_reachability_walk_does_find_a_tensor_held_by_a_frame(gip):
 
 
 def test_no_raise_returns_a_report_with_reclaimed_bytes(gip):
-    from cuda_magic.report import GuardReport
+    from cuda_magic.recover.report import GuardReport
 
     result = gip.run_cell("%%oomguard -l 64MiB --no-raise -o -q\nout = step(512)\n", store_history=True)
     assert result.success
@@ -126,11 +126,11 @@ def test_limit_as_a_fraction_of_the_simulated_session(gip):
 
 
 def test_limit_as_a_fraction_of_available_memory_without_a_session(gip):
-    from cuda_magic.backends import _meminfo
+    from cuda_magic.devices.proc import meminfo
 
     result = gip.run_cell("%%oomguard -l 0.5 -o -q\nz = torch.zeros(10)")
     capacity = result.result.before[0].capacity
-    available = _meminfo()["MemAvailable"]
+    available = meminfo()["MemAvailable"]
     assert 0.35 * available < capacity < 0.65 * available
 
 

@@ -10,7 +10,7 @@ import pynvml
 import pytest
 from IPython.core.error import UsageError
 
-from cuda_magic.backends import read_devices
+from cuda_magic.devices.backends import read_devices
 
 GiB = 2**30
 MiB = 2**20
@@ -248,7 +248,7 @@ def test_cuda_visible_devices_mapping(fake, monkeypatch, spec, names):
 
 
 def test_nvml_starts_once_and_shuts_down(fake):
-    from cuda_magic.nvml import get_nvml
+    from cuda_magic.devices.nvml import get_nvml
 
     nvml = get_nvml()
     assert nvml.start() and nvml.start()

@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from cuda_magic.offload import offload
+from cuda_magic.recover.offload import offload
 
 
 def trained():

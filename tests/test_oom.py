@@ -3,9 +3,8 @@ import random
 
 import pytest
 
-from cuda_magic.oom import (FATAL_NOTE, find_oom, is_oom, message_kind, oom_fields, oom_kind,
-                            parse_oom_message)
-from cuda_magic.report import OomFields
+from cuda_magic.oom.classify import (FATAL_NOTE, find_oom, is_oom, message_kind, oom_fields, oom_kind, parse_oom_message)
+from cuda_magic.oom.records import OomFields
 
 from oom_messages import FATAL, MESSAGES, NOT_OOM
 
@@ -147,7 +146,7 @@ def test_numpy_memory_error_states_its_request():
 
 def test_real_simulated_device_oom_parses():
     torch = pytest.importorskip("torch")
-    from cuda_magic.simulated import SimulatedDevice
+    from cuda_magic.devices.simulated import SimulatedDevice
 
     with pytest.raises(torch.OutOfMemoryError) as info:
         with SimulatedDevice(64 * 2**20):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from IPython.testing import globalipapp
 
-from cuda_magic.notebook_refs import clear_frame, drop_exception, drop_exception_refs, drop_output_cache
-from cuda_magic.reach import has_gpu, holds_device_memory, is_device_tensor
-from cuda_magic.release import MissingNames, all_device_variables, cpu_tensor_bytes, free_variables, release
+from cuda_magic.recover.notebook_refs import clear_frame, drop_exception, drop_exception_refs, drop_output_cache
+from cuda_magic.memory.reach import has_gpu, holds_device_memory, is_device_tensor
+from cuda_magic.recover.cleanup import (MissingNames, all_device_variables, cpu_tensor_bytes, free_variables, release)
 
 CPU_IS_DEVICE = not has_gpu()
 needs_cpu_device = pytest.mark.skipif(not CPU_IS_DEVICE, reason="CPU tensors count only without a GPU")
@@ -63,13 +63,27 @@ def test_cpu_tensors_are_device_tensors_without_a_gpu():
     assert not is_device_tensor(3)
 
 
-def test_gpu_decision_is_cached():
-    has_gpu()
-    hits = has_gpu.cache_info().hits
-    is_device_tensor(torch.ones(1))
-    is_device_tensor(torch.ones(1))
-    assert has_gpu.cache_info().hits >= hits + 2
-    assert has_gpu.cache_info().misses == 1
+def test_gpu_probe_never_imports_torch_and_asks_torch_once(monkeypatch):
+    import subprocess
+
+    code = ("import sys\nfrom cuda_magic.devices.probe import has_gpu\n"
+            "print(has_gpu(), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+    from cuda_magic.devices import probe
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("is_available starts the driver"))
+    probe.forget()
+    try:
+        first = has_gpu()
+        is_device_tensor(torch.ones(1))
+        is_device_tensor(torch.ones(1))
+        assert has_gpu() == first and len(calls) == 1
+    finally:
+        probe.forget()
 
 
 # --------------------------------------------------------------------------------- reachable bytes

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuda_magic.retry import BatchSearch, scale_accumulation
+from cuda_magic.recover.retry import BatchSearch, scale_accumulation
 
 GiB, MiB = 1 << 30, 1 << 20
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from cuda_magic.simulated import SimulatedDevice, simulated_device  # noqa: E402
+from cuda_magic.devices.simulated import SimulatedDevice, simulated_device  # noqa: E402
 
 
 class Ledger:

@@ -3,6 +3,6 @@ and show.py, which picks the form the frontend can render (CUDA_MAGIC_DISPLAY=te
 
 Importing this package imports neither IPython nor ipywidgets.
 """
-from .show import display_form, show, show_guard, show_watch
+from cuda_magic.display.show import display_form, show, show_guard, show_watch
 
 __all__ = ["display_form", "show", "show_guard", "show_watch"]

@@ -14,17 +14,10 @@ import sys
 import warnings
 from dataclasses import replace
 
+from cuda_magic.ipython import current_shell
+
 ENV_VAR = "CUDA_MAGIC_DISPLAY"
 FORMS = ("text", "html", "widget")
-
-
-def current_shell():
-    """The running IPython shell, or None; IPython is not imported if nothing imported it yet."""
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
 
 
 def have_ipywidgets() -> bool:
@@ -49,11 +42,12 @@ def display_form() -> str:
 
 def forms_of(obj):
     """(text, html, widget) builders for a record; widget is None where a record has no widget."""
-    from ..model import CellRecord, DeviceMemory, ProcessMemory, Snapshot, SnapshotDiff
-    from ..report import GuardReport, ReleaseReport
-    from . import html as H
-    from . import text as T
-    from . import widget as W
+    from cuda_magic.memory.records import CellRecord, Snapshot, SnapshotDiff
+    from cuda_magic.devices.records import DeviceMemory, ProcessMemory
+    from cuda_magic.recover.report import GuardReport, ReleaseReport
+    from cuda_magic.display import html as H
+    from cuda_magic.display import text as T
+    from cuda_magic.display import widget as W
 
     if isinstance(obj, Snapshot):
         return (lambda: T.snapshot_text(obj), lambda: H.snapshot_html(obj), lambda: W.SnapshotWidget(obj))
@@ -121,7 +115,7 @@ class GuardHandle:
         if current_shell() is None:
             self.form = "text"
         if self.form == "widget":
-            from .widget import GuardWidget
+            from cuda_magic.display.widget import GuardWidget
 
             try:
                 self.widget = GuardWidget(self.running())
@@ -138,8 +132,8 @@ class GuardHandle:
 
     @staticmethod
     def html_bundle(report) -> dict:
-        from .html import guard_html
-        from .text import guard_text
+        from cuda_magic.display.html import guard_html
+        from cuda_magic.display.text import guard_text
 
         return {"text/html": guard_html(report), "text/plain": guard_text(report)}
 
@@ -153,7 +147,7 @@ class GuardHandle:
         elif self.form == "html":
             self.display.update(self.html_bundle(self.running()), raw=True)
         elif self.report.variable:
-            from .text import attempt_line
+            from cuda_magic.display.text import attempt_line
 
             print(attempt_line(attempt, len(self.attempts), self.report.variable), flush=True)
 
@@ -169,7 +163,7 @@ class GuardHandle:
         elif self.form == "html":
             self.display.update(self.html_bundle(report), raw=True)
         else:
-            from .text import guard_text
+            from cuda_magic.display.text import guard_text
 
             print(guard_text(report), flush=True)
 
@@ -185,7 +179,7 @@ def show_watch(record, *, quiet: bool = False, form: str | None = None):
         return None
     form = form or display_form()
     if form == "text":   # the common terminal case, after every cell: skip building the other forms
-        from .text import watch_line
+        from cuda_magic.display.text import watch_line
 
         print(watch_line(record))
         return None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import textwrap
 
-from ..model import PART_LABELS, PARTS
-from ..units import format_bytes, format_duration
+from cuda_magic.devices.records import PART_LABELS, PARTS
+from cuda_magic.units import format_bytes, format_duration
 
 UNKNOWN = "unknown"          # the part of a capacity whose figures the backend does not give
 BAR_PARTS = (*PARTS, UNKNOWN)

@@ -11,8 +11,8 @@ CSS classes, a contract with the browser tests: the root has `cuda-magic-widget`
 """
 from __future__ import annotations
 
-from . import html as H
-from . import text as T
+from cuda_magic.display import html as H
+from cuda_magic.display import text as T
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import sys
 
-from .report import OomFields
+from cuda_magic.oom.records import OomFields
 
 FATAL_NOTE = (
     "This is not an out-of-memory error: after a device-side assert or an illegal memory access the "

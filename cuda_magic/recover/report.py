@@ -3,45 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .model import DeviceMemory
+from cuda_magic.reprs import Rendered
 
-
-@dataclass
-class OomFields:
-    """The figures an out-of-memory message states, in bytes; None where the message does not say."""
-
-    backend: str = "cuda"                 # 'cuda', 'hip', 'mps', 'xpu', 'cpu', 'cublas', 'cudnn'
-    device: str | None = None             # 'cuda:0' where the message names a GPU
-    requested: int | None = None          # "Tried to allocate"
-    capacity: int | None = None           # "total capacity"
-    free: int | None = None
-    this_process: int | None = None       # "this process has ... memory in use"
-    other_processes: int | None = None    # capacity - free - this_process, where all three are known
-    allocated_by_torch: int | None = None
-    reserved_unallocated: int | None = None
-    reserved_total: int | None = None     # older messages: "reserved in total by PyTorch"
-    allowed: int | None = None            # "... allowed;": the cap a per-process memory fraction sets
-    possible: bool = False                # True for cuDNN's CUDNN_STATUS_NOT_SUPPORTED: may be an OOM
-    message: str = ""                     # the first line of the original message
-
-
-@dataclass
-class Advice:
-    """One thing to try, most useful first; `code` is a line to paste, where there is one."""
-
-    text: str
-    code: str | None = None
-
-
-@dataclass
-class Diagnosis:
-    """Why memory ran out: the causes found, most important first, and advice ranked for them."""
-
-    causes: list[str]                     # keys: 'fragmentation', 'other_processes', 'names_holding',
-                                          # 'too_large', 'request_exceeds_capacity', 'unknown'
-    summary: str                          # one or two sentences for people
-    advice: list[Advice] = field(default_factory=list)
-    holders: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) kept alive by names
+from cuda_magic.devices.records import DeviceMemory
+from cuda_magic.oom.records import Diagnosis, OomFields
 
 
 @dataclass
@@ -66,8 +31,9 @@ class FailurePoint:
     filename: str | None = None
 
 
-@dataclass
-class GuardReport:
+@dataclass(repr=False)
+class GuardReport(Rendered):
+    _html_repr = False
     """The result of one `%%oomguard` cell; `-o` returns it."""
 
     device: str                           # device key the figures are for
@@ -95,17 +61,10 @@ class GuardReport:
     def succeeded(self) -> bool:
         return self.outcome in ("ok", "recovered")
 
-    def __repr__(self) -> str:
-        from .display.text import guard_text
 
-        return guard_text(self)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))
-
-
-@dataclass
-class ReleaseReport:
+@dataclass(repr=False)
+class ReleaseReport(Rendered):
+    _html_repr = False
     """What a release (`%freecuda`, the clean-up after an OOM) dropped and gave back."""
 
     dropped: list[str] = field(default_factory=list)      # notebook references dropped, by name
@@ -116,10 +75,4 @@ class ReleaseReport:
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
 
-    def __repr__(self) -> str:
-        from .display.text import release_text
 
-        return release_text(self)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))

@@ -11,8 +11,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .model import DeviceMemory, ProcessMemory
-from .nvml import get_nvml, visible_nvml_devices
+from cuda_magic.devices.probe import cuda_started, loaded_torch
+from cuda_magic.devices.proc import meminfo, process_rss
+from cuda_magic.devices.records import DeviceMemory, ProcessMemory
+from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
 
 
 @dataclass
@@ -23,20 +25,6 @@ class DeviceReading:
     gpu_present: bool = False
 
 
-def _torch():
-    return sys.modules.get("torch")
-
-
-def cuda_initialized() -> bool:
-    torch = _torch()
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:  # a torch build without CUDA support at all
-        return False
-
-
 def _has_context(torch, index: int) -> bool:
     probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     return bool(probe(index)) if probe is not None else True
@@ -45,8 +33,8 @@ def _has_context(torch, index: int) -> bool:
 def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemory]]:
     nvml = get_nvml()
     nv = visible_nvml_devices(nvml)
-    torch = _torch()
-    initialized = cuda_initialized()
+    torch = loaded_torch()
+    initialized = cuda_started()
     if not nv and nvml.failure and initialized:
         notes.append(f"{nvml.failure}; figures come from torch alone")
     count = torch.cuda.device_count() if initialized else len(nv)
@@ -101,7 +89,7 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
 
 
 def mps_device() -> DeviceMemory | None:
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None:
         return None
     mps = getattr(torch.backends, "mps", None)
@@ -118,44 +106,8 @@ def mps_device() -> DeviceMemory | None:
                         notes=["MPS keeps no peak counter; other processes share unified memory"])
 
 
-def _meminfo() -> dict[str, int]:
-    values = {}
-    try:
-        with open("/proc/meminfo", "rb") as fh:   # one read, parsed as bytes: about half the time of text lines
-            text = fh.read()
-    except OSError:
-        return values
-    for line in text.splitlines():
-        key, _, rest = line.partition(b":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[key.decode()] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == b"kB" else 1)
-    return values
-
-
-def process_rss() -> tuple[int | None, int | None]:
-    """(resident bytes now, resident peak bytes) of this process, from the operating system."""
-    rss = hwm = None
-    try:
-        with open("/proc/self/status", "rb") as fh:
-            text = fh.read()
-        rss, hwm = status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
-    except OSError:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        hwm = peak if sys.platform == "darwin" else peak * 1024
-    return rss, hwm
-
-
-def status_bytes(text: bytes, field: bytes) -> int | None:
-    """A `kB` field of /proc/self/status (`field` with its leading newline), in bytes."""
-    i = text.find(field)
-    return int(text[i + len(field):text.index(b"kB", i)]) * 1024 if i >= 0 else None
-
-
 def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
-    info = _meminfo()
+    info = meminfo()
     total, available = info.get("MemTotal"), info.get("MemAvailable")
     rss, hwm = process_rss()
     dev = DeviceMemory(key="cpu", name="CPU memory", kind="cpu", capacity=total,
@@ -176,7 +128,7 @@ def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
 
 def read_devices(*, cpu_tensor_bytes: int | None = None, include_cpu_when_gpu: bool = False) -> DeviceReading:
     """Every device, the simulated one first; with no GPU, the CPU view and a note saying so."""
-    from .simulated import active_device
+    from cuda_magic.devices.simulated import active_device
 
     reading = DeviceReading(devices=[])
     sim = active_device()

@@ -31,12 +31,12 @@ class GuardAll:
         self.active = False
 
     def _handler(self, shell, etype, value, tb, tb_offset=None):
-        from .oom import oom_kind
+        from cuda_magic.oom.classify import oom_kind
 
         kind = oom_kind(value)
         if kind not in ("oom", "possible"):
             if kind == "fatal" and hasattr(value, "add_note"):
-                from .guard import FATAL_NOTE
+                from cuda_magic.recover.engine import FATAL_NOTE
 
                 value.add_note(FATAL_NOTE)
             return self._forward(etype, value, tb, tb_offset)
@@ -55,14 +55,15 @@ class GuardAll:
         return None
 
     def _explain(self, value) -> None:
-        from .allocator_conf import current_allocator_conf
-        from .backends import read_devices
-        from .explain import diagnose
-        from .guard import failure_point, short_oom_error
-        from .oom import oom_fields
-        from .notebook_refs import drop_exception, drop_exception_refs
-        from .release import empty_caches, shared_holders
-        from .report import Attempt, GuardReport, OomFields
+        from cuda_magic.devices.allocator_conf import current_allocator_conf
+        from cuda_magic.devices.backends import read_devices
+        from cuda_magic.oom.diagnosis import diagnose
+        from cuda_magic.recover.engine import failure_point, short_oom_error
+        from cuda_magic.oom.classify import oom_fields
+        from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
+        from cuda_magic.recover.cleanup import empty_caches, shared_holders
+        from cuda_magic.recover.report import Attempt, GuardReport
+        from cuda_magic.oom.records import OomFields
 
         shell = self.shell
         before = read_devices().devices
@@ -89,7 +90,7 @@ class GuardAll:
                                     device_capacity=before[0].capacity if before else None,
                                     alloc_conf=current_allocator_conf())
         report.outcome = "oom"
-        from .display.show import show_guard
+        from cuda_magic.display.show import show_guard
 
         show_guard(report).finish(report)
         error = short_oom_error(report)

@@ -5,7 +5,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .cli import parse_args
+from cuda_magic.magics.args import parse_args
 
 
 @magics_class
@@ -21,7 +21,7 @@ class FreeMagics(Magics):
     def freecuda(self, line=""):
         """Drop what only the notebook machinery holds (last error, output cache), collect garbage, empty
         the allocator cache, and report the bytes freed and the variables that still hold device memory."""
-        from .release import MissingNames, all_device_variables, free_variables, release
+        from cuda_magic.recover.cleanup import MissingNames, all_device_variables, free_variables, release
 
         args = parse_args(self.freecuda, line)
         for name in args.names:
@@ -44,7 +44,7 @@ class FreeMagics(Magics):
         if args.all_vars and not names:
             report.notes.append("--all: no user variable holds device tensors")
         if not args.quiet:
-            from .display.show import show
+            from cuda_magic.display.show import show
 
             show(report)
         return report if args.output else None

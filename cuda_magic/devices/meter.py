@@ -92,7 +92,7 @@ class CpuMeter:
     key = "cpu"
 
     def __init__(self):
-        from .watch import shared_reader
+        from cuda_magic.devices.proc import shared_reader
 
         self.proc = shared_reader()
 
@@ -102,9 +102,9 @@ class CpuMeter:
     reserved = allocated
 
     def capacity(self) -> int | None:
-        from .backends import _meminfo
+        from cuda_magic.devices.proc import meminfo
 
-        return _meminfo().get("MemTotal")
+        return meminfo().get("MemTotal")
 
     def reset_peak(self) -> None:
         self.proc.reset_peak()
@@ -118,9 +118,9 @@ class CpuMeter:
 
 
 def available_memory() -> int | None:
-    from .backends import _meminfo
+    from cuda_magic.devices.proc import meminfo
 
-    return _meminfo().get("MemAvailable")
+    return meminfo().get("MemAvailable")
 
 
 def cuda_usable() -> bool:
@@ -140,7 +140,7 @@ def choose_meter(device: str | None = None, limit_text: str | None = None, parse
     cap, a simulated device made for this run (so that the same cell runs out of memory on a CPU-only
     machine as on a small GPU); else the CPU. `parse_limit(text, capacity)` turns the cap into bytes.
     """
-    from .simulated import SimulatedDevice, active_device
+    from cuda_magic.devices.simulated import SimulatedDevice, active_device
 
     sim = active_device()
     if sim is not None and device in (None, "sim", "sim:0", "0"):
@@ -170,13 +170,13 @@ def metered_devices(meter) -> list:
     if meter.key.startswith("sim"):
         return [meter.device.memory()]
     if meter.key == "cpu":
-        from .backends import cpu_device
+        from cuda_magic.devices.backends import cpu_device
 
         dev = cpu_device(None)
         # no census here: the process's resident memory is the figure, PyTorch's share unknown
         dev.other_this_process = (dev.torch_allocated or 0) + (dev.other_this_process or 0)
         dev.torch_allocated = None
         return [dev]
-    from .backends import read_devices
+    from cuda_magic.devices.backends import read_devices
 
     return [d for d in read_devices().devices if d.key == meter.key]

@@ -7,20 +7,13 @@ from __future__ import annotations
 import re
 import sys
 
-from .reach import holds_device_memory
+from cuda_magic.ipython import shell_or_current
+from cuda_magic.memory.reach import holds_device_memory
 
 _OUT_NAME = re.compile(r"_([0-9]+)")
 _UNDERS = ("_", "__", "___")
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
 _CO_OPTIMIZED = 0x0001
-
-
-def _get_shell(shell):
-    if shell is not None or "IPython" not in sys.modules:   # a plain script never imports IPython here
-        return shell
-    from IPython.core.getipython import get_ipython
-
-    return get_ipython()
 
 
 def _exception_family(exc) -> list[BaseException]:
@@ -90,7 +83,7 @@ def drop_exception(exc, *, user_ns=None, sever: bool = True) -> int:
 def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
     """Drop the last exception everywhere the interpreter and IPython keep it, clearing its frames.
     Returns what was (or, with dry_run, would be) dropped, by name."""
-    shell = _get_shell(shell)
+    shell = shell_or_current(shell)
     user_ns = getattr(shell, "user_ns", None)
     dropped: list[str] = []
     excs: list = []
@@ -138,7 +131,7 @@ def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
 
 
 
-def _is_output_cache_name(shell, name: str, value) -> bool:
+def is_output_cache_name(shell, name: str, value) -> bool:
     """Whether user_ns[name] is an output-cache entry (not a user variable of the same name)."""
     hidden = getattr(shell, "user_ns_hidden", {}) or {}
     if name in _UNDERS:
@@ -165,7 +158,7 @@ def _output_hist(shell) -> dict:
 def drop_output_cache(shell, *, only_device: bool = True, dry_run: bool = False) -> list[str]:
     """Drop output-cache entries (only those holding device tensors, by default) and name them:
     'Out[7]', '_7', '_'. A user variable is never touched, even one named `_x` or `_7`."""
-    shell = _get_shell(shell)
+    shell = shell_or_current(shell)
     if shell is None:
         return []
 

@@ -11,10 +11,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from .oom import oom_fields, oom_kind
-from .notebook_refs import drop_exception
-from .release import empty_caches
-from .report import Attempt, FailurePoint, GuardReport, OomFields
+from cuda_magic.paths import is_library_file
+from cuda_magic.oom.classify import oom_fields, oom_kind
+from cuda_magic.recover.notebook_refs import drop_exception
+from cuda_magic.recover.cleanup import empty_caches
+from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport
+from cuda_magic.oom.records import OomFields
 
 FATAL_NOTE = ("cuda_magic: this is not an out-of-memory error: after 'device-side assert triggered' or "
               "'an illegal memory access', the CUDA context is unusable, and unlike an OOM this does need "
@@ -42,7 +44,7 @@ def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailureP
         code = tb.tb_frame.f_code
         if filename is not None and code.co_filename == filename:
             cell_line = tb.tb_lineno
-        if not _is_library(code.co_filename):
+        if not is_library_file(code.co_filename):
             deepest = (code.co_name, code.co_filename, tb.tb_lineno)
         tb = tb.tb_next
     if cell_line is None and deepest is None:
@@ -58,17 +60,6 @@ def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailureP
     if deepest is not None and (deepest[1] != filename):
         function, filename_out = deepest[0], f"{deepest[1]}:{deepest[2]}"
     return FailurePoint(line=cell_line, text=text, function=function, filename=filename_out)
-
-
-_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
-
-
-def _is_library(filename: str) -> bool:
-    """Frames of installed packages (torch, numpy, ...) and of this one are not where the user's code
-    failed: the report names the deepest frame of the user's own code."""
-    name = filename.replace("\\", "/")
-    return (filename.startswith(_PACKAGE_DIR) or "/site-packages/" in name or "/dist-packages/" in name
-            or "/torch/" in name)
 
 
 def autocast(amp: str | None, meter):
@@ -127,7 +118,7 @@ def free_failure(exc, meter, *, user_ns=None) -> int | None:
 
 def finish_report(report: GuardReport, meter) -> None:
     """The device after the run, and the highest peak of its attempts."""
-    from .meter import metered_devices
+    from cuda_magic.devices.meter import metered_devices
 
     report.after = metered_devices(meter)
     peaks = [a.peak for a in report.attempts if a.peak is not None]
@@ -136,8 +127,8 @@ def finish_report(report: GuardReport, meter) -> None:
 
 def diagnose_report(report: GuardReport, meter, *, amp: bool, holders=()):
     """Why the report's OOM happened, with ranked advice."""
-    from .allocator_conf import current_allocator_conf
-    from .explain import diagnose
+    from cuda_magic.devices.allocator_conf import current_allocator_conf
+    from cuda_magic.oom.diagnosis import diagnose
 
     try:
         capacity = meter.capacity()
@@ -167,7 +158,7 @@ class GuardEngine:
     def run(self, call, report: GuardReport):
         """Returns (value of the last successful run, passthrough exception or None)."""
         __tracebackhide__ = True  # noqa: F841
-        from .retry import BatchSearch
+        from cuda_magic.recover.retry import BatchSearch
 
         user_ns = getattr(self.shell, "user_ns", None)
         policy = None
@@ -246,7 +237,7 @@ class GuardEngine:
 
     # variables ----------------------------------------------------------------------------------
     def _apply(self, value, report) -> None:
-        from .retry import scale_accumulation
+        from cuda_magic.recover.retry import scale_accumulation
 
         self.set_value(self.variable, value)
         if self.accumulate is not None:
@@ -294,7 +285,7 @@ def short_oom_error(report: GuardReport):
     """The short error raised after an OOM: holds no frames of the failed run, and no context."""
     cls = _short_error_class()
     reclaimed = sum(report.reclaimed.values())
-    from .units import format_bytes
+    from cuda_magic.units import format_bytes
 
     what = f"{report.variable}={report.attempts[-1].value}: " if report.variable and report.attempts else ""
     return cls(f"{what}out of memory in this cell (explained above; {format_bytes(reclaimed)} reclaimed, the "

@@ -1,4 +1,4 @@
-"""The memory model: plain records of devices and tensors, a snapshot, and the diff of two snapshots.
+"""The memory records: tensors, a snapshot, the diff of two snapshots, a watched cell.
 
 Nothing here holds a tensor or imports torch; every size is an int in bytes. pandas is imported only
 when a table is asked for.
@@ -9,56 +9,9 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-#: The parts a device's capacity is split into, in display order. They add up to the capacity.
-PARTS = ("torch_allocated", "torch_cached", "other_this_process", "other_processes", "free")
-PART_LABELS = {
-    "torch_allocated": "PyTorch allocated",
-    "torch_cached": "PyTorch cached",
-    "other_this_process": "other (this process)",
-    "other_processes": "other processes",
-    "free": "free",
-}
+from cuda_magic.reprs import Rendered
 
-
-@dataclass
-class DeviceMemory:
-    """One device's memory at one moment. All sizes in bytes; None where unknown."""
-
-    key: str                      # 'cuda:0', 'mps', 'cpu', 'sim:0'
-    name: str                     # 'NVIDIA H200', 'simulated GPU', 'CPU (no GPU)'
-    kind: str                     # 'cuda', 'mps', 'cpu', 'simulated'
-    capacity: int | None
-    torch_allocated: int | None = 0
-    torch_cached: int | None = 0
-    other_this_process: int | None = 0
-    other_processes: int | None = 0
-    free: int | None = None
-    peak: int | None = None       # peak of torch_allocated since the last reset
-    peak_exact: bool = True       # False: the operating system's figure, not the allocator's
-    notes: list[str] = field(default_factory=list)
-
-    def parts(self) -> dict[str, int | None]:
-        return {p: getattr(self, p) for p in PARTS}
-
-    def as_row(self) -> dict:
-        row = {"device": self.key, "name": self.name, "kind": self.kind, "capacity": self.capacity}
-        row.update(self.parts())
-        row["peak"] = self.peak
-        row["peak_exact"] = self.peak_exact
-        return row
-
-
-@dataclass
-class ProcessMemory:
-    """A process using a GPU (from NVML), as `nvidia-smi --query-compute-apps` lists it."""
-
-    device: str
-    pid: int
-    used: int | None              # bytes; None where the driver does not say (some containers)
-    name: str = ""
-    user: str = ""
-    this_process: bool = False
-
+from cuda_magic.devices.records import PARTS, DeviceMemory
 
 @dataclass
 class TensorRecord:
@@ -85,8 +38,8 @@ TENSOR_COLUMNS = ("names", "shape", "dtype", "device", "bytes", "grad_fn", "view
 DEVICE_COLUMNS = ("device", "name", "kind", "capacity", *PARTS, "peak", "peak_exact")
 
 
-@dataclass
-class Snapshot:
+@dataclass(repr=False)
+class Snapshot(Rendered):
     """Where memory was at one moment. `.devices` and `.tensors` are pandas DataFrames."""
 
     device_list: list[DeviceMemory]
@@ -116,19 +69,6 @@ class Snapshot:
                 return d
         return None
 
-    def __repr__(self) -> str:
-        from .display.text import snapshot_text
-
-        return snapshot_text(self)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))
-
-    def _repr_html_(self) -> str:
-        from .display.html import snapshot_html
-
-        return snapshot_html(self)
-
 
 @dataclass
 class DeviceDelta:
@@ -136,8 +76,8 @@ class DeviceDelta:
     changes: dict[str, int]                  # part -> bytes after minus before (None parts skipped)
 
 
-@dataclass
-class SnapshotDiff:
+@dataclass(repr=False)
+class SnapshotDiff(Rendered):
     """What changed between two snapshots."""
 
     before: Snapshot
@@ -145,19 +85,6 @@ class SnapshotDiff:
     device_deltas: list[DeviceDelta]
     appeared: list[TensorRecord]
     went: list[TensorRecord]
-
-    def __repr__(self) -> str:
-        from .display.text import diff_text
-
-        return diff_text(self)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))
-
-    def _repr_html_(self) -> str:
-        from .display.html import diff_html
-
-        return diff_html(self)
 
 
 def diff(before: Snapshot, after: Snapshot) -> SnapshotDiff:

@@ -1,16 +1,16 @@
 """Why memory ran out, and what to do about it: a diagnosis from the figures of an OOM message.
 
 Pure: works on `OomFields` and plain (name, bytes) pairs, so it is tested on real message texts
-without a GPU. `explain(exc_or_text)` is the public entry point (`cuda_magic.explain`).
+without a GPU. `explain(exc_or_text)` is the public entry point (`cuda_magic.oom.diagnosis`).
 """
 from __future__ import annotations
 
 import re
 
-from .allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
-from .oom import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
-from .report import Advice, Diagnosis, OomFields
-from .units import format_bytes
+from cuda_magic.devices.allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
+from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
+from cuda_magic.oom.records import Advice, Diagnosis, OomFields
+from cuda_magic.units import format_bytes
 
 CAUSE_LABELS = {
     "request_exceeds_capacity": "one allocation larger than the device",

@@ -1,7 +1,7 @@
 """Loading and unloading: register the magics once, and on unload remove every hook added."""
 from __future__ import annotations
 
-from .state import drop_state, get_state
+from cuda_magic.magics.state import drop_state, get_state
 
 
 def load(shell) -> None:
@@ -9,9 +9,9 @@ def load(shell) -> None:
     if state is not None and state.magics:
         return  # loaded already: register nothing twice
     state = get_state(shell, create=True)
-    from .magics_free import FreeMagics
-    from .magics_gpumem import GpumemMagics
-    from .magics_guard import GuardMagics
+    from cuda_magic.magics.free import FreeMagics
+    from cuda_magic.magics.gpumem import GpumemMagics
+    from cuda_magic.magics.guard import GuardMagics
 
     for cls in (GpumemMagics, GuardMagics, FreeMagics):
         instance = cls(shell)
@@ -27,7 +27,7 @@ def unload(shell) -> None:
         state.watcher.stop()
     if state.guard_all is not None:
         state.guard_all.stop()
-    from .simulated import stop_session
+    from cuda_magic.devices.simulated import stop_session
 
     stop_session()
     manager = shell.magics_manager

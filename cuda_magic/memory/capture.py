@@ -1,11 +1,10 @@
 """Taking a snapshot: the devices' memory and the census of live tensors, as plain records."""
 from __future__ import annotations
 
-import sys
-
-from .backends import read_devices
-from .census import take_census
-from .model import Snapshot
+from cuda_magic.devices.backends import read_devices
+from cuda_magic.memory.census import take_census
+from cuda_magic.memory.records import Snapshot
+from cuda_magic.ipython import shell_or_current
 
 
 def user_namespace(shell):
@@ -20,8 +19,7 @@ def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:
 
     Outside IPython pass nothing: tensors are then listed without names. The result holds no tensor.
     """
-    if shell is None and "IPython" in sys.modules:   # a plain script never pays for importing IPython
-        shell = sys.modules["IPython"].get_ipython()
+    shell = shell_or_current(shell)
     records, per_device, notes = [], {}, []
     if tensors:
         namespace, out_cache = user_namespace(shell)

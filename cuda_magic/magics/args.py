@@ -5,7 +5,7 @@ import re
 
 from IPython.core.error import UsageError
 
-from .units import SizeError, parse_size
+from cuda_magic.units import SizeError, parse_size
 
 
 def parse_count(text, flag: str = "-n") -> int:

@@ -7,6 +7,8 @@ import functools
 import sys
 import types
 
+from cuda_magic.devices.probe import has_gpu, loaded_torch
+
 #: Objects visited at most by one reachability walk, and how deep it goes.
 DEFAULT_LIMIT = 100_000
 DEFAULT_DEPTH = 8
@@ -14,30 +16,6 @@ DEFAULT_DEPTH = 8
 SKIP_TYPES = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.CodeType, types.FrameType, types.TracebackType, str, bytes, int, float, complex, bool,
               type(None))
-
-
-def _torch():
-    return sys.modules.get("torch")
-
-
-@functools.lru_cache(maxsize=None)
-def has_gpu() -> bool:
-    """Whether this process can use a GPU (CUDA/ROCm, MPS or XPU). Asked once, then cached."""
-    torch = _torch()
-    if torch is None:
-        import torch  # only reached when asked directly; is_device_tensor never gets here without torch
-    try:
-        if torch.cuda.is_initialized() or torch.cuda.is_available():
-            return True
-    except (AssertionError, RuntimeError):
-        pass
-    mps = getattr(getattr(torch, "backends", None), "mps", None)
-    if mps is not None and mps.is_available():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and hasattr(xpu, "is_available") and xpu.is_available():
-        return True
-    return False
 
 
 def device_kinds() -> tuple[str, ...]:
@@ -48,7 +26,7 @@ def device_kinds() -> tuple[str, ...]:
 def is_device_tensor(t) -> bool:
     """True for a tensor on a GPU; on a machine with no GPU at all, for a CPU tensor (SPEC: the CPU is
     the device there)."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None or not issubclass(type(t), torch.Tensor):
         return False
     try:
@@ -76,7 +54,7 @@ def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH)
     """Yield the tensors reachable from obj: itself, module parameters/grads/buffers, optimizer state,
     containers, objects' `__dict__`, and the tensors an autograd graph saved. Walks at most `limit`
     objects and `depth` levels; each object once."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None:
         return
     tensor_type = torch.Tensor
@@ -139,7 +117,7 @@ def _module_children(module):
     children = list(module.parameters())
     children += [p.grad for p in children if p.grad is not None]
     children += list(module.buffers())
-    torch = _torch()
+    torch = loaded_torch()
     for sub in module.modules():  # plain tensor attributes, not registered as buffers
         children += [v for v in vars(sub).values() if issubclass(type(v), torch.Tensor)]
     return children

@@ -14,9 +14,11 @@ from __future__ import annotations
 import gc
 import sys
 
-from .notebook_refs import _get_shell, _is_output_cache_name, drop_exception_refs, drop_output_cache
-from .reach import SKIP_TYPES, _torch, device_storages, has_gpu, holds_device_memory, storage_key_and_bytes
-from .report import ReleaseReport
+from cuda_magic.ipython import shell_or_current
+from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache, is_output_cache_name
+from cuda_magic.devices.probe import has_gpu, loaded_torch
+from cuda_magic.memory.reach import SKIP_TYPES, device_storages, holds_device_memory, storage_key_and_bytes
+from cuda_magic.recover.report import ReleaseReport
 
 
 class MissingNames(KeyError):
@@ -36,7 +38,7 @@ class MissingNames(KeyError):
 
 def _device_usage() -> dict[str, int]:
     """Bytes in use per device key, as the allocators see them (reserved, i.e. what the device lost)."""
-    torch = _torch()
+    torch = loaded_torch()
     usage: dict[str, int] = {}
     if torch is None:
         return usage
@@ -60,7 +62,7 @@ def _device_usage() -> dict[str, int]:
 
 def cpu_tensor_bytes() -> int:
     """Bytes of the distinct CPU tensor storages alive in this process (a gc scan)."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None:
         return 0
     storages: dict[int, int] = {}
@@ -78,7 +80,7 @@ def cpu_tensor_bytes() -> int:
 
 def _simulated_device():
     try:
-        from .simulated import active_device
+        from cuda_magic.devices.simulated import active_device
         return active_device()
     except (ImportError, AttributeError):
         return None
@@ -86,7 +88,7 @@ def _simulated_device():
 
 def empty_caches() -> None:
     """Give the allocators' cached, unused blocks back to the devices. Creates no CUDA context."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None:
         return
     if torch.cuda.is_initialized():
@@ -114,7 +116,7 @@ def user_variables(shell) -> dict:
             continue
         if name in hidden and hidden[name] is value:
             continue
-        if _is_output_cache_name(shell, name, value):
+        if is_output_cache_name(shell, name, value):
             continue
         found[name] = value
     return found
@@ -157,7 +159,7 @@ def shared_holders(shell) -> list[tuple[str, int]]:
 
 def all_device_variables(shell) -> list[str]:
     """The user variables `%freecuda --all` deletes: those holding device tensors, largest first."""
-    return [name for name, _ in device_holders(_get_shell(shell))]
+    return [name for name, _ in device_holders(shell_or_current(shell))]
 
 
 # -------------------------------------------------------------------------------------- release
@@ -165,7 +167,7 @@ def all_device_variables(shell) -> list[str]:
 def release(shell=None, *, dry_run: bool = False) -> ReleaseReport:
     """The clean-up of `%freecuda` without namespace changes: drop the last exception's references
     and output-cache entries holding device tensors, collect garbage, empty the allocator cache."""
-    return _release(_get_shell(shell), dry_run=dry_run)
+    return _release(shell_or_current(shell), dry_run=dry_run)
 
 
 def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseReport | None = None,
@@ -201,7 +203,7 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
 def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False) -> ReleaseReport:
     """`%freecuda NAME ...`: delete (or, with offload, move to the CPU) the named variables, then
     release. If any name does not exist, raise MissingNames before changing anything."""
-    shell = _get_shell(shell)
+    shell = shell_or_current(shell)
     names = list(dict.fromkeys(names))
     missing = [n for n in names if n not in shell.user_ns]
     if missing:
@@ -223,7 +225,7 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
     def change_namespace():
         hidden = getattr(shell, "user_ns_hidden", {}) or {}
         if offload:
-            from .offload import offload as move
+            from cuda_magic.recover.offload import offload as move
             # one call, so that a model and its optimizer are moved together
             moved = move([shell.user_ns[name] for name in names])
             for name, value in zip(names, moved):

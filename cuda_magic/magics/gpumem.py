@@ -5,8 +5,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .cli import parse_args, parse_count, parse_device, parse_size_arg
-from .state import get_state
+from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_size_arg
+from cuda_magic.magics.state import get_state
 
 
 @magics_class
@@ -34,7 +34,7 @@ class GpumemMagics(Magics):
             if args.simulate.strip().lower() != "off":
                 simulate = parse_size_arg(args.simulate, "--simulate", allow_fraction=False)
         state = get_state(self.shell, create=True)
-        from .display.show import show
+        from cuda_magic.display.show import show
 
         if args.simulate is not None:
             self._simulate(simulate, args.quiet)
@@ -43,8 +43,8 @@ class GpumemMagics(Magics):
         if args.history:
             return self._history(state, args)
 
-        from .model import diff
-        from .snapshot import snapshot
+        from cuda_magic.memory.records import diff
+        from cuda_magic.memory.capture import snapshot
 
         snap = snapshot(self.shell, top=top)
         if args.device is not None:
@@ -73,8 +73,8 @@ class GpumemMagics(Magics):
         return snap if args.output else None
 
     def _simulate(self, capacity, quiet: bool) -> None:
-        from .simulated import start_session, stop_session
-        from .units import format_bytes
+        from cuda_magic.devices.simulated import start_session, stop_session
+        from cuda_magic.units import format_bytes
 
         if capacity is None:
             was_on = stop_session()
@@ -87,8 +87,8 @@ class GpumemMagics(Magics):
                   "this thread count against it; `%gpumem --simulate off` ends it.")
 
     def _watch(self, state, on: bool, quiet: bool):
-        from .display.show import show_watch
-        from .watch import CellWatcher
+        from cuda_magic.display.show import show_watch
+        from cuda_magic.memory.watch import CellWatcher
 
         if on:
             if state.watcher is None:
@@ -114,7 +114,7 @@ class GpumemMagics(Magics):
         if args.output:
             return frame
         if not args.quiet:
-            from .display.show import show
+            from cuda_magic.display.show import show
 
             if state.history:
                 show(list(state.history))

@@ -10,104 +10,9 @@ import os
 import sys
 import time
 
-try:
-    import resource
-except ImportError:   # Windows
-    resource = None
-
-from .backends import status_bytes
-from .model import CellRecord
-from .simulated import active_device
-
-
-_PEAK_SLACK = 256 * 1024   # bytes: how far getrusage's peak may sit above RSS right after a reset
-
-
-class _ProcReader:
-    """Reads /proc/self/status through one open descriptor: the cheapest way to VmRSS and VmHWM.
-
-    Per watched cell there is a cheaper pair, start_cell / end_cell: /proc/self/status costs about 15 us
-    to generate, /proc/self/statm (RSS alone) and getrusage (the same high-water mark as VmHWM) a few.
-    """
-
-    def __init__(self):
-        self.status_fd = self.clear_fd = self.statm_fd = None
-        self.page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._rusage_peak = False
-        try:
-            self.status_fd = os.open("/proc/self/status", os.O_RDONLY)
-            self.statm_fd = os.open("/proc/self/statm", os.O_RDONLY)
-            self.clear_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
-        except OSError:
-            pass
-
-    def reset_peak(self) -> bool:
-        if self.clear_fd is None:
-            return False
-        try:
-            os.write(self.clear_fd, b"5")
-            return True
-        except OSError:
-            return False
-
-    def rss_and_peak(self) -> tuple[int | None, int | None]:
-        if self.status_fd is None:
-            return None, None
-        text = os.pread(self.status_fd, 4096, 0)
-        return status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
-
-    def rss(self) -> int | None:
-        """Resident bytes now, from /proc/self/statm (its second field, in pages)."""
-        if self.statm_fd is None:
-            return self.rss_and_peak()[0]
-        return int(os.pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
-
-    def start_cell(self) -> int | None:
-        """Reset the peak and return the resident bytes now.
-
-        Also decides how end_cell reads the peak: getrusage's ru_maxrss is the kernel's same high-water
-        mark as VmHWM and follows the reset, unless a thread that exited earlier left a higher mark in
-        the process's record (kept as the larger of the two); then, and where the reset failed,
-        /proc/self/status is read instead. A thread exiting during the cell can leave only a mark from
-        this cell, so the figure stays the cell's peak.
-        """
-        reset = self.reset_peak()
-        rss = self.rss()
-        self._rusage_peak = False
-        if reset and rss is not None and resource is not None:
-            self._rusage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= rss + _PEAK_SLACK
-        return rss
-
-    def end_cell(self) -> tuple[int | None, int | None]:
-        """(resident bytes now, resident peak since start_cell)."""
-        if not self._rusage_peak:
-            return self.rss_and_peak()
-        rss = self.rss()
-        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-    def close(self) -> None:
-        for fd in (self.status_fd, self.clear_fd, self.statm_fd):
-            if fd is not None:
-                os.close(fd)
-        self.status_fd = self.clear_fd = self.statm_fd = None
-
-    def __del__(self):
-        # a reader dropped without close() (a watcher never stopped) gives its descriptors back
-        try:
-            self.close()
-        except OSError:
-            pass
-
-
-_shared = None
-
-
-def shared_reader() -> _ProcReader:
-    """One reader for every guarded cell on the CPU: its descriptors are opened once per process."""
-    global _shared
-    if _shared is None:
-        _shared = _ProcReader()
-    return _shared
+from cuda_magic.devices.proc import ProcReader
+from cuda_magic.memory.records import CellRecord
+from cuda_magic.devices.simulated import active_device
 
 
 class CellWatcher:
@@ -166,7 +71,7 @@ class CellWatcher:
                 before = dev.cuda.memory_allocated(i)
             else:
                 if self._proc is None:
-                    self._proc = _ProcReader()
+                    self._proc = ProcReader()
                 before = self._proc.start_cell()
             self._start = (kind, before, time.perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on

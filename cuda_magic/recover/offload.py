@@ -42,8 +42,8 @@ def _leave_simulated_device(obj, torch) -> int:
     """With a simulated GPU on, its tensors already live in CPU memory, so moving them to the CPU is a
     no-op: copy their data where the device does not count it instead (in place, so parameters and the
     optimizer state keyed by them keep their identity). Returns how many tensors were copied."""
-    from .reach import iter_tensors
-    from .simulated import active_device
+    from cuda_magic.memory.reach import iter_tensors
+    from cuda_magic.devices.simulated import active_device
 
     sim = active_device()
     if sim is None:

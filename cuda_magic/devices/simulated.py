@@ -11,7 +11,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 
-from .model import DeviceMemory
+from cuda_magic.devices.records import DeviceMemory
 
 _session: SimulatedDevice | None = None   # the device `%gpumem --simulate` turned on, if any
 _mode_class = None
@@ -238,7 +238,7 @@ class SimulatedDevice:
 @contextmanager
 def simulated_device(capacity, *, index: int = 0):
     """`with simulated_device("8GiB") as dev:` - tensors created inside count against `dev`."""
-    from .units import parse_size
+    from cuda_magic.units import parse_size
 
     nbytes = parse_size(capacity, allow_fraction=False) if isinstance(capacity, str) else int(capacity)
     dev = SimulatedDevice(nbytes, index=index)

@@ -10,8 +10,9 @@ import sys
 import types
 from itertools import chain
 
-from .model import TensorRecord
-from .reach import saved_attrs
+from cuda_magic.memory.records import TensorRecord
+from cuda_magic.paths import PACKAGE_DIR
+from cuda_magic.memory.reach import saved_attrs
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
                      type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -233,7 +234,7 @@ def last_error_traceback():
 def _machinery_dirs() -> tuple[str, ...]:
     """Folders of IPython and of this package: their frames in a traceback (the shell's `self` in
     run_code) reach everything, so walking them would name tensors by IPython's internals."""
-    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    dirs = [PACKAGE_DIR]
     ipython = sys.modules.get("IPython")
     if getattr(ipython, "__file__", None):
         dirs.append(os.path.dirname(os.path.abspath(ipython.__file__)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import format_bytes
+from cuda_magic.units import format_bytes
 
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
 MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit

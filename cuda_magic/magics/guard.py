@@ -7,8 +7,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .cli import parse_args, parse_count, parse_size_arg
-from .units import is_positive_int
+from cuda_magic.magics.args import parse_args, parse_count, parse_size_arg
+from cuda_magic.units import is_positive_int
 
 
 _UNIT_WORDS = {"B", "KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB"}
@@ -46,8 +46,8 @@ class GuardMagics(Magics):
 
     # %oomguard on|off ------------------------------------------------------------------------------
     def _switch(self, line: str):
-        from .guard_all import GuardAll
-        from .state import get_state
+        from cuda_magic.magics.guard_all import GuardAll
+        from cuda_magic.magics.state import get_state
 
         word = line.strip().lower()
         state = get_state(self.shell, create=True)
@@ -73,9 +73,9 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        from .guard import GuardEngine, diagnose_report, finish_report, short_oom_error
-        from .report import GuardReport
-        from .runner import CompiledCell
+        from cuda_magic.recover.engine import GuardEngine, diagnose_report, finish_report, short_oom_error
+        from cuda_magic.recover.report import GuardReport
+        from cuda_magic.magics.cell import CompiledCell
 
         ns = self.shell.user_ns
         variable, accumulate, floor = self._retry_options(args, ns)
@@ -83,8 +83,8 @@ class GuardMagics(Magics):
         if args.expandable:
             self._expandable_segments(args.quiet)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
-        from .display.show import show_guard
-        from .meter import metered_devices
+        from cuda_magic.display.show import show_guard
+        from cuda_magic.devices.meter import metered_devices
 
         report = GuardReport(device=meter.key, variable=variable, accumulate=accumulate, limit=limit)
         report.before = metered_devices(meter)
@@ -102,7 +102,7 @@ class GuardMagics(Magics):
         del compiled
         finish_report(report, meter)
         if report.oom is not None:
-            from .release import shared_holders
+            from cuda_magic.recover.cleanup import shared_holders
 
             report.diagnosis = diagnose_report(report, meter, amp=args.amp is not None,
                                                holders=shared_holders(self.shell))
@@ -120,7 +120,7 @@ class GuardMagics(Magics):
         return report if args.output else None
 
     def _expandable_segments(self, quiet: bool) -> None:
-        from .allocator_conf import enable_expandable_segments
+        from cuda_magic.devices.allocator_conf import enable_expandable_segments
 
         try:
             said = enable_expandable_segments()
@@ -154,7 +154,7 @@ class GuardMagics(Magics):
         return variable, accumulate, floor
 
     def _meter(self, args):
-        from .meter import choose_meter
+        from cuda_magic.devices.meter import choose_meter
 
         device = None
         if args.device is not None:
@@ -180,14 +180,14 @@ def _positive_int_variable(ns, name: str, flag: str) -> str:
 
 
 def _check_device(text: str) -> str:
-    from .backends import read_devices
-    from .cli import parse_device
+    from cuda_magic.devices.backends import read_devices
+    from cuda_magic.magics.args import parse_device
 
     keys = [d.key for d in read_devices().devices]
     return parse_device(text, keys)
 
 
 def _show_final(report) -> None:
-    from .display.show import show_guard
+    from cuda_magic.display.show import show_guard
 
     show_guard(report).finish(report)

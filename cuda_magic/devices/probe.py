@@ -1,0 +1,62 @@
+"""Is torch loaded, has it started CUDA, is there a GPU: asked without importing torch or starting CUDA.
+
+torch is looked up in sys.modules, never imported: no tensor exists before the user imports torch, and
+`%load_ext` must stay cheap. "Is there a GPU" uses `torch.cuda.device_count()` (NVML-based before CUDA
+starts), not `is_available()`, which initialises the driver and makes a later fork unsafe.
+"""
+from __future__ import annotations
+
+import sys
+
+_gpu: bool | None = None     # the answer, once torch is loaded (devices do not come and go in a process)
+
+
+def loaded_torch():
+    """The torch module if the user imported it, else None."""
+    return sys.modules.get("torch")
+
+
+def cuda_started() -> bool:
+    """Whether torch has initialised CUDA in this process (so its counters can be read freely)."""
+    torch = loaded_torch()
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # a torch build without CUDA support at all
+        return False
+
+
+def cuda_device_count() -> int:
+    torch = loaded_torch()
+    if torch is None:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
+def has_gpu() -> bool:
+    """Whether this process can use a GPU (CUDA/ROCm, MPS or XPU). False while torch is not loaded."""
+    global _gpu
+    if _gpu is not None:
+        return _gpu
+    torch = loaded_torch()
+    if torch is None:
+        return False
+    found = cuda_started() or cuda_device_count() > 0
+    if not found:
+        mps = getattr(getattr(torch, "backends", None), "mps", None)
+        found = mps is not None and bool(mps.is_available())
+    if not found:
+        xpu = getattr(torch, "xpu", None)
+        found = xpu is not None and hasattr(xpu, "device_count") and bool(xpu.device_count())
+    _gpu = found
+    return found
+
+
+def forget() -> None:
+    """Ask again next time (tests that fake a device)."""
+    global _gpu
+    _gpu = None

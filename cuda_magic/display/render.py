@@ -1,0 +1,9 @@
+"""A record drawn as text or HTML: what the records' reprs (cuda_magic.reprs) call."""
+from __future__ import annotations
+
+
+def render(obj, form: str) -> str | None:
+    from cuda_magic.display.show import forms_of
+
+    text, html, _ = forms_of(obj)
+    return text() if form == "text" else html()

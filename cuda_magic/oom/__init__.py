@@ -1,0 +1,2 @@
+"""Out-of-memory errors: is it one (classify), what its message says (parse), and why it happened with
+what to do about it (diagnosis)."""
