@@ -13,6 +13,11 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
 _NUMBER_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*$")
 
 
+def is_unit(word: str) -> bool:
+    """Whether `word` alone is a unit parse_size knows ('GiB', 'mb'): a size split by a space."""
+    return str(word).strip().upper() in _UNITS
+
+
 class SizeError(ValueError):
     """A size the user typed cannot be understood; the message says what is accepted."""
 

@@ -72,6 +72,27 @@ def test_output_cache_is_named_out_n(tip):
     assert row.shape == (33, 3)
 
 
+def test_census_and_freecuda_follow_one_rule_for_names_like_the_output_cache(tip):
+    """`_N` and `_` are the output cache while they hold its value; a user's own `_7` is a variable."""
+    from cuda_magic.ipython import user_variables
+
+    n = run_ok(tip, "torch.full((33, 3), 2.0)", store_history=True).execution_count
+    mine = f"_{n + 50}"
+    run_ok(tip, f"{mine} = torch.ones(7, 5)\n_ = torch.ones(11, 3)")
+    assert mine in user_variables(tip) and "_" in user_variables(tip) and f"_{n}" not in user_variables(tip)
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    cached = _row(snap, f"Out[{n}]")
+    assert cached.shape == (33, 3) and f"_{n}" not in cached.names and "_" not in cached.names
+    assert _row(snap, mine).shape == (7, 5)
+    assert _row(snap, "_").shape == (11, 3)
+    ids = {name: id(tip.user_ns[name]) for name in (mine, "_")}
+    report = tip.run_line_magic("freecuda", "-q -o")
+    assert f"Out[{n}]" in report.dropped and f"_{n}" in report.dropped
+    assert mine not in report.dropped
+    assert {name: id(tip.user_ns[name]) for name in (mine, "_")} == ids
+    assert f"_{n}" not in tip.user_ns
+
+
 def test_last_error_traceback_names_a_failed_functions_tensor(tip):
     result = tip.run_cell("def f():\n    held = torch.ones(321, 5)\n    raise ValueError('boom')\nf()",
                           store_history=True)

@@ -201,6 +201,23 @@ def test_cycles_in_the_chain_terminate():
     assert oom_kind(a) == "oom"
 
 
+def test_the_one_chain_walker_is_bounded_and_visits_each_once():
+    from cuda_magic.oom.classify import CHAIN_LIMIT, exception_chain
+
+    errors = [RuntimeError(f"step {i}") for i in range(CHAIN_LIMIT + 50)]
+    for a, b in zip(errors, errors[1:]):
+        a.__context__ = b
+    errors[-1].__context__ = errors[0]          # and a cycle at the end
+    walked = list(exception_chain(errors[0]))
+    assert len(walked) == CHAIN_LIMIT and len({id(e) for e in walked}) == CHAIN_LIMIT
+    assert walked[:3] == errors[:3]
+    group = ExceptionGroup("g", [errors[0], ValueError("v")])
+    assert list(exception_chain(group, limit=3)) == [group, errors[0], errors[1]]
+    errors[5].__cause__ = RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    assert oom_kind(errors[0]) == "oom"
+    assert list(exception_chain(None)) == []
+
+
 @pytest.mark.parametrize("text", FATAL)
 def test_fatal_errors_are_not_oom_even_with_an_oom_in_the_chain(text):
     fatal = RuntimeError(text)

@@ -126,7 +126,7 @@ def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
     return dev
 
 
-def read_devices(*, cpu_tensor_bytes: int | None = None, include_cpu_when_gpu: bool = False) -> DeviceReading:
+def read_devices(*, cpu_tensor_bytes: int | None = None) -> DeviceReading:
     """Every device, the simulated one first; with no GPU, the CPU view and a note saying so."""
     from cuda_magic.devices.simulated import active_device
 
@@ -149,7 +149,7 @@ def read_devices(*, cpu_tensor_bytes: int | None = None, include_cpu_when_gpu: b
                                     "process's CPU memory follows.")
         else:
             reading.notes.insert(0, f"No GPU found{why}: showing this process's CPU memory and CPU tensors.")
-    if not reading.gpu_present or include_cpu_when_gpu:
+    if not reading.gpu_present:
         reading.devices.append(cpu_device(cpu_tensor_bytes))
     return reading
 

@@ -7,8 +7,6 @@ from contextlib import contextmanager
 
 
 class SimMeter:
-    exact = True
-
     def __init__(self, device, temporary: bool = False):
         self.device = device
         self.temporary = temporary    # made for this run by -l: started and stopped around it
@@ -42,8 +40,6 @@ class SimMeter:
 
 
 class CudaMeter:
-    exact = True
-
     def __init__(self, index: int):
         import torch
 
@@ -88,7 +84,6 @@ class CudaMeter:
 class CpuMeter:
     """The process's resident memory: approximate, since Python and the allocator keep pages."""
 
-    exact = False
     key = "cpu"
 
     def __init__(self):

@@ -4,14 +4,14 @@ from __future__ import annotations
 from cuda_magic.devices.backends import read_devices
 from cuda_magic.memory.census import take_census
 from cuda_magic.memory.records import Snapshot
-from cuda_magic.ipython import shell_or_current
+from cuda_magic.ipython import output_hist, shell_or_current, user_variables
 
 
 def user_namespace(shell):
+    """(the user's own variables, the output cache) that name tensors; (None, None) outside IPython."""
     if shell is None:
         return None, None
-    out = getattr(shell, "user_ns", {}).get("Out")
-    return shell.user_ns, out if isinstance(out, dict) else None
+    return user_variables(shell), output_hist(shell)
 
 
 def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:

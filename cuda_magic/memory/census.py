@@ -28,9 +28,6 @@ MAX_VISITS = 400_000        # the namespace walk stops here (names then may be i
 MAX_DEPTH = 8
 MAX_GRAPH_NODES = 20_000    # autograd nodes visited to name what graphs saved
 GRAPH_SUFFIX = " (its graph)"
-_SKIP_NAMES = frozenset({"In", "Out", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_ih", "_dh",
-                         "exit", "quit", "get_ipython", "__builtin__", "__builtins__", "__name__",
-                         "__doc__", "__package__", "__loader__", "__spec__"})
 
 
 def tensor_types(torch) -> frozenset:
@@ -41,11 +38,6 @@ def tensor_types(torch) -> frozenset:
             found.add(cls)
             stack.extend(cls.__subclasses__())
     return frozenset(found)
-
-
-def _is_cache_name(name: str) -> bool:
-    """IPython's output-cache and input-history names: _7, _i7."""
-    return name[:1] == "_" and (name[1:].isdigit() or (name[1:2] == "i" and name[2:].isdigit()))
 
 
 class _Namer:
@@ -244,6 +236,9 @@ def _machinery_dirs() -> tuple[str, ...]:
 def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dict | None = None):
     """Live storages (largest first) with the names that reach them, and bytes per device.
 
+    `namespace`: the user's own variables (`ipython.user_variables`: IPython's names left out by the one
+    rule that `%freecuda` follows too); `out_cache`: the output cache, whose entries are named `Out[N]`.
+
     Returns (records, bytes_per_device, notes). Without torch imported there are no tensors.
     """
     torch = sys.modules.get("torch")
@@ -288,7 +283,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         namer = _Namer(torch, by_id, names, records)
         if namespace is not None:
             for var, value in list(namespace.items()):
-                if var in _SKIP_NAMES or var.startswith("__") or _is_cache_name(var):
+                if var.startswith("__"):
                     continue
                 namer.walk(value, var)
             namer.walk_optimizers()

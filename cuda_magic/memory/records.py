@@ -5,7 +5,6 @@ when a table is asked for.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -108,10 +107,6 @@ def diff(before: Snapshot, after: Snapshot) -> SnapshotDiff:
     appeared = [t for k, t in new_ids.items() if k not in old_ids]
     went = [t for k, t in old_ids.items() if k not in new_ids]
     return SnapshotDiff(before, after, deltas, appeared, went)
-
-
-def replace(obj, **changes):
-    return dataclasses.replace(obj, **changes)
 
 
 @dataclass

@@ -33,7 +33,7 @@ _OOM_RE = re.compile(
     r"|CUBLAS_STATUS_ALLOC_FAILED|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
     r"|Torch: not enough memory", re.I)
 _POSSIBLE_RE = re.compile(r"CUDNN_STATUS_NOT_SUPPORTED", re.I)
-_CHAIN_LIMIT = 64
+CHAIN_LIMIT = 256     # exceptions followed along one chain (a retry loop chains one per failure)
 
 
 def _text(exc: BaseException) -> str:
@@ -70,11 +70,12 @@ def _kind_of_one(exc: BaseException) -> str | None:
     return kind
 
 
-def _chain(exc: BaseException):
-    """exc, then its causes and contexts (and the members of exception groups), each once."""
+def exception_chain(exc: BaseException | None, limit: int = CHAIN_LIMIT):
+    """exc, then its causes and contexts (and the members of exception groups), each once, at most
+    `limit` of them (a chain can be a cycle, or as long as a loop that raised inside `except`)."""
     seen: set[int] = set()
     stack = [exc]
-    while stack and len(seen) < _CHAIN_LIMIT:
+    while stack and len(seen) < limit:
         e = stack.pop()
         if e is None or id(e) in seen or not isinstance(e, BaseException):
             continue
@@ -92,7 +93,7 @@ def oom_kind(exc: BaseException | None) -> str | None:
     """
     if exc is None:
         return None
-    kinds = {_kind_of_one(e) for e in _chain(exc)}
+    kinds = {_kind_of_one(e) for e in exception_chain(exc)}
     for kind in ("fatal", "oom", "possible"):
         if kind in kinds:
             return kind
@@ -112,7 +113,7 @@ def find_oom(exc: BaseException | None) -> BaseException | None:
     if exc is None or oom_kind(exc) not in ("oom", "possible"):
         return None
     found = {}
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         found.setdefault(_kind_of_one(e), e)
     return found.get("oom") or found.get("possible")
 

@@ -12,11 +12,11 @@ looked up in `sys.modules`.
 from __future__ import annotations
 
 import gc
-import sys
 
-from cuda_magic.ipython import shell_or_current
-from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache, is_output_cache_name
+from cuda_magic.ipython import shell_or_current, user_variables
+from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import has_gpu, loaded_torch
+from cuda_magic.devices.simulated import active_device
 from cuda_magic.memory.reach import SKIP_TYPES, device_storages, holds_device_memory, storage_key_and_bytes
 from cuda_magic.recover.report import ReleaseReport
 
@@ -54,7 +54,7 @@ def _device_usage() -> dict[str, int]:
         usage["mps"] = mps.driver_allocated_memory()
     if not has_gpu():
         usage["cpu"] = cpu_tensor_bytes()
-    sim = _simulated_device()
+    sim = active_device()
     if sim is not None:
         usage[sim.key] = int(sim.allocated)
     return usage
@@ -78,14 +78,6 @@ def cpu_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def _simulated_device():
-    try:
-        from cuda_magic.devices.simulated import active_device
-        return active_device()
-    except (ImportError, AttributeError):
-        return None
-
-
 def empty_caches() -> None:
     """Give the allocators' cached, unused blocks back to the devices. Creates no CUDA context."""
     torch = loaded_torch()
@@ -102,25 +94,6 @@ def empty_caches() -> None:
 
 
 # ------------------------------------------------------------------------------ user variables
-
-def user_variables(shell) -> dict:
-    """The user's variables: user_ns less IPython's hidden names, the output cache and dunder names."""
-    if shell is None:
-        main = sys.modules.get("__main__")
-        ns = dict(vars(main)) if main is not None else {}
-        return {k: v for k, v in ns.items() if not (k.startswith("__") and k.endswith("__"))}
-    hidden = getattr(shell, "user_ns_hidden", {}) or {}
-    found = {}
-    for name, value in shell.user_ns.items():
-        if name.startswith("__") and name.endswith("__"):
-            continue
-        if name in hidden and hidden[name] is value:
-            continue
-        if is_output_cache_name(shell, name, value):
-            continue
-        found[name] = value
-    return found
-
 
 def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
     """(variable, bytes) for user variables holding device memory, largest first."""
@@ -212,7 +185,7 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
     if offload:
         report.offloaded = list(names)
         if not has_gpu():
-            if _simulated_device() is not None:
+            if active_device() is not None:
                 report.notes.append("no GPU: offloading copies the tensors off the simulated device into "
                                     "CPU memory it does not count")
             else:

@@ -4,32 +4,14 @@ the output cache (`_`, `__`, `___`, `_N`, `Out[N]`, the displayhook's own attrib
 never touches a user variable."""
 from __future__ import annotations
 
-import re
 import sys
 
-from cuda_magic.ipython import shell_or_current
+from cuda_magic.ipython import UNDERSCORES, is_output_cache_name, output_cache_number, output_hist, shell_or_current
 from cuda_magic.memory.reach import holds_device_memory
+from cuda_magic.oom.classify import exception_chain
 
-_OUT_NAME = re.compile(r"_([0-9]+)")
-_UNDERS = ("_", "__", "___")
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
 _CO_OPTIMIZED = 0x0001
-
-
-def _exception_family(exc) -> list[BaseException]:
-    """exc and every exception chained to it (`__cause__`, `__context__`, group members), once each."""
-    found: list[BaseException] = []
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen or not isinstance(e, BaseException):
-            continue
-        seen.add(id(e))
-        found.append(e)
-        stack += [e.__cause__, e.__context__]
-        stack += list(getattr(e, "exceptions", ()) or ())
-    return found
 
 
 def _frames_of(tb) -> list:
@@ -69,7 +51,7 @@ def drop_exception(exc, *, user_ns=None, sever: bool = True) -> int:
     to it; with `sever`, also cut `__traceback__`, `__context__` and `__cause__`. Returns frames cleared.
     Call it outside the `except` block that caught exc (there the frames are still executing)."""
     cleared = 0
-    family = _exception_family(exc)
+    family = list(exception_chain(exc))
     for e in family:
         cleared += clear_traceback_frames(e.__traceback__, user_ns)
     if sever:
@@ -131,30 +113,6 @@ def drop_exception_refs(shell=None, *, dry_run: bool = False) -> list[str]:
 
 
 
-def is_output_cache_name(shell, name: str, value) -> bool:
-    """Whether user_ns[name] is an output-cache entry (not a user variable of the same name)."""
-    hidden = getattr(shell, "user_ns_hidden", {}) or {}
-    if name in _UNDERS:
-        return value is getattr(shell.displayhook, name, object())
-    match = _OUT_NAME.fullmatch(name)
-    if not match:
-        return False
-    output_hist = _output_hist(shell)
-    n = int(match.group(1))
-    if n in output_hist and output_hist[n] is value:
-        return True
-    return name in hidden and hidden[name] is value
-
-
-def _output_hist(shell) -> dict:
-    hm = getattr(shell, "history_manager", None)
-    hist = getattr(hm, "output_hist", None)
-    if isinstance(hist, dict):
-        return hist
-    out = shell.user_ns.get("Out")
-    return out if isinstance(out, dict) else {}
-
-
 def drop_output_cache(shell, *, only_device: bool = True, dry_run: bool = False) -> list[str]:
     """Drop output-cache entries (only those holding device tensors, by default) and name them:
     'Out[7]', '_7', '_'. A user variable is never touched, even one named `_x` or `_7`."""
@@ -167,31 +125,27 @@ def drop_output_cache(shell, *, only_device: bool = True, dry_run: bool = False)
 
     user_ns = shell.user_ns
     hidden = getattr(shell, "user_ns_hidden", {}) or {}
-    output_hist = _output_hist(shell)
+    hist = output_hist(shell)
     dropped: list[str] = []
     actions = []
 
-    for n, value in list(output_hist.items()):
+    for n, value in list(hist.items()):
         if not wanted(value):
             continue
         dropped.append(f"Out[{n}]")
-        actions.append(lambda n=n: output_hist.pop(n, None))
+        actions.append(lambda n=n: hist.pop(n, None))
     for ns, where in ((user_ns, ""), (hidden, " (hidden)")):
         for name, value in list(ns.items()):
-            match = _OUT_NAME.fullmatch(name)
-            if not match or not wanted(value):
+            if output_cache_number(name) is None or not wanted(value):
                 continue
-            n = int(match.group(1))
-            is_cache = ns is hidden or (n in output_hist and output_hist[n] is value) \
-                or (name in hidden and hidden[name] is value)
-            if not is_cache:
+            if ns is not hidden and not is_output_cache_name(shell, name, value):
                 continue
             if not where:
                 dropped.append(name)
             actions.append(lambda ns=ns, name=name: ns.pop(name, None))
 
     displayhook = getattr(shell, "displayhook", None)
-    for name in _UNDERS:
+    for name in UNDERSCORES:
         value = getattr(displayhook, name, None)
         if value is None or isinstance(value, str) or not wanted(value):
             continue
