@@ -20,9 +20,12 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     """Decorator and context manager.
 
     As a decorator, `retry="NAME"` names a keyword argument of the function: on an out-of-memory error
-    it is halved (or, with `search=True`, predicted from what each attempt measured) and the function
-    called again, down to `min`; `accumulate="NAME2"` scales another argument so that NAME x NAME2 stays
-    at least what it was. The report of the last call is `func.last_report`. When nothing fits, the
+    the function is called again with a value predicted from what the failure measured, down to `min`,
+    after undoing what the failed call did to the state of modules and optimizers it reaches (its
+    arguments and its module's globals) and to the random generators; `search=True` looks for the largest
+    value that fits (each probe undone, then one real call); `accumulate="NAME2"` scales another argument so that NAME x NAME2 stays
+    at least what it was. The report of the last call is `func.last_report`;
+    nothing is printed for a call that fitted at once. When nothing fits, the
     short out-of-memory error is raised (or None returned with `raise_on_oom=False`).
     As a context manager it frees what the failed block's callees held, explains the OOM, and raises the
     short error (or, with `raise_on_oom=False`, suppresses it); the report is the `as` target.
@@ -71,8 +74,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             def call():
                 return func(*bound.args, **bound.kwargs)
 
+            roots = [v for k, v in func.__globals__.items() if not k.startswith("_")]
             try:
-                result, _ = self._run(call, arguments)
+                result, _ = self._run(call, arguments, roots=[*arguments.values(), *roots])
             finally:
                 wrapper.last_report = self.report
             return result
@@ -80,39 +84,42 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         wrapper.last_report = None
         return wrapper
 
-    def _run(self, call, arguments):
+    def _run(self, call, arguments, roots=()):
         __tracebackhide__ = True  # noqa: F841
-        from cuda_magic.recover.engine import GuardEngine, diagnose_report, finish_report, short_oom_error
         from cuda_magic.devices.meter import choose_meter, metered_devices
+        from cuda_magic.ipython import current_shell
+        from cuda_magic.recover.engine import GuardEngine, RetrySpec
+        from cuda_magic.recover.failure import conclude, short_oom_error
         from cuda_magic.recover.report import GuardReport
 
         meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                     lambda text, cap: parse_size(text, cap))
-        report = GuardReport(device=meter.key, variable=self.retry, accumulate=self.accumulate, limit=limit,
-                             source="oomguard")
+        report = GuardReport(device=meter.key, limit=limit, source="oomguard", api=True)
         report.before = metered_devices(meter)
         self.report = report
-        from cuda_magic.display.show import show_guard
-
-        handle = show_guard(report, quiet=self.quiet)
-        engine = GuardEngine(meter, limit=limit, amp=self.amp, variable=self.retry,
-                             accumulate=self.accumulate, floor=self.floor, search=self.search,
-                             get_value=arguments.__getitem__, set_value=arguments.__setitem__,
-                             on_attempt=handle.add_attempt)
+        retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search)
+        # arguments are bound again for every call: the function's own names need no rollback
+        engine = GuardEngine(meter, values=arguments, retry=retry, limit=limit, amp=self.amp, roots=roots)
         try:
             result, passthrough = engine.run(call, report)
         finally:
-            finish_report(report, meter)
-        if report.oom is not None:
-            report.diagnosis = diagnose_report(report, meter, amp=self.amp is not None)
-        handle.finish(report)
+            conclude(report, meter, amp=self.amp is not None, shell=current_shell())
         if passthrough is not None:
             raise passthrough
+        self._show(report)
         if report.outcome == "oom" and self.raise_on_oom:
             error = short_oom_error(report)
-            del engine, handle
+            del engine
             raise error
         return result, report
+
+    def _show(self, report) -> None:
+        """Silent for a call that fitted at once (the report is on `last_report`); otherwise the report."""
+        if self.quiet or report.outcome == "ok":
+            return
+        from cuda_magic.display.show import show
+
+        show(report)
 
     # context manager -----------------------------------------------------------------------------
     def __enter__(self):
@@ -124,7 +131,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         self._meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
                                           lambda text, cap: parse_size(text, cap))
         self._limit = limit
-        self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard")
+        self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard", api=True)
         self._meter.reset_peak()
         self._start = self._meter.allocated()
         self._running = self._meter.running(limit)
@@ -132,34 +139,36 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         return self.report
 
     def __exit__(self, etype, value, tb):
-        from cuda_magic.recover.engine import diagnose_report, failure_point, free_failure, short_oom_error
-        from cuda_magic.oom.classify import oom_fields, oom_kind
-        from cuda_magic.recover.report import Attempt
+        from cuda_magic.ipython import current_shell
+        from cuda_magic.recover.failure import (conclude, error_text, kind_of, read_failure, release_failure,
+                                                short_oom_error)
+        from cuda_magic.recover.report import Attempt, Outcome
 
         self._running.__exit__(None, None, None)
         report, meter = self.report, self._meter
-        peak = meter.peak()
-        report.peaks[meter.key] = peak
-        if value is None or oom_kind(value) not in ("oom", "possible"):
-            report.attempts.append(Attempt(None, "ok" if value is None else "error", peak,
-                                           start_allocated=self._start))
-            report.outcome = "ok" if value is None else "error"
+        kind = Outcome.OK if value is None else kind_of(value)
+        if kind is not Outcome.OOM:
+            report.attempts.append(Attempt(None, kind, meter.peak(), start_allocated=self._start))
+            report.outcome = kind
+            if value is not None:
+                report.exception_text = error_text(value)
+            conclude(report, meter)
             return False
-        report.oom = oom_fields(value)
-        report.failure = failure_point(tb, None, None)
-        report.attempts.append(Attempt(None, "oom", peak, report.oom.requested if report.oom else None,
-                                       start_allocated=self._start))
+        failure = read_failure(value, meter)
+        report.oom, report.failure = failure.oom, failure.point
+        attempt = Attempt(None, Outcome.OOM, meter.peak(), failure.oom.requested, start_allocated=self._start)
+        report.attempts.append(attempt)
         del tb
-        reclaimed = free_failure(value, meter)
+        attempt.reclaimed = release_failure(value, failure, meter)
         del value
-        if reclaimed is not None:
-            report.reclaimed[meter.key] = reclaimed
-        report.outcome = "oom"
-        report.diagnosis = diagnose_report(report, meter, amp=self.amp is not None)
+        if attempt.reclaimed is not None:
+            report.reclaimed[meter.key] = attempt.reclaimed
+        report.outcome = Outcome.OOM
+        conclude(report, meter, amp=self.amp is not None, shell=current_shell())
         if not self.quiet:
-            from cuda_magic.display.show import show_guard
+            from cuda_magic.display.show import show
 
-            show_guard(report).finish(report)
+            show(report)
         if self.raise_on_oom:
             raise short_oom_error(report)
         return True

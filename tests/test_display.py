@@ -10,7 +10,7 @@ from cuda_magic.memory.records import CellRecord, Snapshot, TensorRecord, diff
 
 from cuda_magic.devices.records import DeviceMemory, ProcessMemory
 from cuda_magic.oom.records import Advice, Diagnosis, OomFields
-from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport, ReleaseReport
+from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport, ReleaseReport, Retry
 from cuda_magic.units import format_bytes
 
 GiB, MiB = 1024**3, 1024**2
@@ -81,7 +81,7 @@ def guard_report():
         holders=[("losses", 2 * GiB), ("<b>x</b>", 5 * MiB)])
     return GuardReport(
         device="cuda:0", before=before, after=after, peaks={"cuda:0": int(7.9 * GiB)}, attempts=attempts,
-        variable="batch_size", original_value=64, final_value=16, oom=oom, diagnosis=diagnosis,
+        retry=Retry("batch_size", 64, final=16), oom=oom, diagnosis=diagnosis,
         failure=FailurePoint(3, "out = model(x.expand(batch_size, -1))"), reclaimed={"cuda:0": int(6.5 * GiB)},
         outcome="recovered")
 
@@ -229,7 +229,9 @@ def test_diff_text():
 
 
 def test_records_repr_use_text_forms():
-    assert repr(guard_report()) == T.guard_text(guard_report())
+    assert str(guard_report()) == T.guard_text(guard_report())
+    # `-o` returns the report as the cell's value: one line, the full report has been shown already
+    assert repr(guard_report()) == "<GuardReport cuda:0: recovered, 3 attempts; batch_size = 16 (was 64)>"
     assert repr(snapshot()) == T.snapshot_text(snapshot())
 
 
@@ -330,9 +332,8 @@ def test_guard_widget_updates_live():
     from cuda_magic.display.widget import GuardWidget
 
     final = guard_report()
-    start = GuardReport(device="cuda:0", before=final.before, variable="batch_size", original_value=64,
-                        outcome="running")
-    w = GuardWidget(start)
+    start = GuardReport(device="cuda:0", before=final.before, retry=Retry("batch_size", 64))
+    w = GuardWidget(start, running=True)
     assert "cuda-magic-widget" in w._dom_classes
     assert "cuda-magic-guard" in w.levels._dom_classes and "1.00 GiB" in w.levels.value
     assert "cuda-magic-attempts" in w.attempts._dom_classes and w.attempts.layout.display == "none"
@@ -392,7 +393,7 @@ def test_show_guard_text_prints_each_attempt_as_it_happens(shell, capsys):
     from cuda_magic.display.show import show_guard
 
     final = guard_report()
-    handle = show_guard(GuardReport(device="cuda:0", variable="batch_size", original_value=64))
+    handle = show_guard(GuardReport(device="cuda:0", retry=Retry("batch_size", 64)))
     assert capsys.readouterr().out == ""
     handle.add_attempt(final.attempts[0])
     assert capsys.readouterr().out == \
@@ -423,7 +424,7 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
     assert data["text/plain"] == T.snapshot_text(snapshot()) and "cuda-magic-bar" in data["text/html"]
     assert set(cap.outputs[1].data) == {"text/html", "text/plain"}
     with capture_output() as cap:
-        handle = show_guard(GuardReport(device="cuda:0", variable="batch_size", original_value=64))
+        handle = show_guard(GuardReport(device="cuda:0", retry=Retry("batch_size", 64)))
         handle.add_attempt(guard_report().attempts[0])
         handle.finish(guard_report())
     assert "7.50 GiB" in handle.widget.attempts.value and "6.50 GiB" in handle.widget.reclaimed.value
@@ -437,7 +438,7 @@ KERNEL_CELLS = [
 from cuda_magic.display.show import display_form, show, show_guard
 from cuda_magic.devices.records import DeviceMemory
 from cuda_magic.memory.records import Snapshot
-from cuda_magic.recover.report import Attempt, GuardReport
+from cuda_magic.recover.report import Attempt, GuardReport, Retry
 GiB = 1024**3
 dev = DeviceMemory('sim:0', 'simulated GPU', 'simulated', 8 * GiB, torch_allocated=GiB, torch_cached=0,
                    other_this_process=0, other_processes=0, free=7 * GiB, peak=2 * GiB)
@@ -445,12 +446,12 @@ print(display_form())
 """,
     "show(Snapshot([dev], []))",
     """
-handle = show_guard(GuardReport(device='sim:0', before=[dev], variable='bs', original_value=8))
+handle = show_guard(GuardReport(device='sim:0', before=[dev], retry=Retry('bs', 8)))
 first = Attempt(8, 'oom', peak=7 * GiB, duration=0.1)
 handle.add_attempt(first)
 handle.finish(GuardReport(device='sim:0', before=[dev], after=[dev], peaks={'sim:0': 5 * GiB},
-                          attempts=[first, Attempt(4, 'ok', peak=5 * GiB, duration=0.1)], variable='bs',
-                          original_value=8, final_value=4, reclaimed={'sim:0': GiB}, outcome='recovered'))
+                          attempts=[first, Attempt(4, 'ok', peak=5 * GiB, duration=0.1)],
+                          retry=Retry('bs', 8, final=4), reclaimed={'sim:0': GiB}, outcome='recovered'))
 """,
 ]
 

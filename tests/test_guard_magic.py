@@ -134,14 +134,14 @@ def test_limit_as_a_fraction_of_available_memory_without_a_session(gip):
     assert 0.35 * available < capacity < 0.65 * available
 
 
-def test_retry_halves_the_variable_until_it_fits(gip):
+def test_retry_reduces_the_variable_until_it_fits(gip):
     run_ok(gip, "batch = 64\naccum = 1")
     result = gip.run_cell("%%oomguard -l 16MiB -r batch -a accum -o -q\n"
                           "x = torch.empty(batch * 2**20, dtype=torch.uint8)\n")
     assert result.success
     report = result.result
-    assert [a.value for a in report.attempts][:3] == [64, 32, 16]
-    assert gip.user_ns["batch"] == report.final_value and report.final_value <= 16
+    assert [a.value for a in report.attempts] == [64, report.final_value]
+    assert gip.user_ns["batch"] == report.final_value and 13 <= report.final_value <= 16
     assert gip.user_ns["batch"] * gip.user_ns["accum"] >= 64
 
 

@@ -193,16 +193,19 @@ def guard_devices_html(report) -> str:
     return "".join(blocks)
 
 
-def attempts_html(attempts, variable: str | None) -> str:
-    if not attempts:
+def attempts_html(report) -> str:
+    if not report.show_attempts:
         return ""
-    rows = attempt_rows(attempts, variable)
+    shown = report.attempts_shown
+    rows = attempt_rows(shown, report.variable)
     col = len(rows[0]) - 3                       # the outcome column
-    for row, attempt in zip(rows, attempts):
-        color = OUTCOME_COLORS.get(attempt.outcome, "inherit")
+    for row, pair in zip(rows, shown):
+        if isinstance(pair, int):
+            continue
+        color = OUTCOME_COLORS.get(pair[1].outcome, "inherit")
         row[col] = f'<span style="color:{color};font-weight:600">{escape(row[col])}</span>'
-    table = html_table(attempt_headers(variable), rows, {0, col + 1, col + 2}, cls="cuda-magic-attempts-table",
-                       raw={col})
+    table = html_table(attempt_headers(report.variable), rows, {0, col + 1, col + 2},
+                       cls="cuda-magic-attempts-table", raw={col})
     return '<div style="margin-top:6px"><b>Attempts</b></div>' + table
 
 
@@ -226,9 +229,11 @@ def diagnosis_html(report) -> str:
     diag = report.diagnosis
     if diag is not None:
         out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {escape(diag.summary)}</div>')
-        if diag.holders:
-            held = ", ".join(f"<code style=\"{CODE}\">{escape(n)}</code> {format_bytes(b)}" for n, b in diag.holders)
-            out.append(f"<div>Kept alive by names: {held}</div>")
+        if report.holders_shown:
+            held = ", ".join(f"<code style=\"{CODE}\">{escape(n)}</code> {format_bytes(b)}"
+                             for n, b in report.holders_shown)
+            more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
+            out.append(f"<div>Kept alive by names: {held}{more}</div>")
         if diag.advice:
             items = "".join(
                 f'<li style="margin:2px 0">{escape(a.text)}'
@@ -243,22 +248,27 @@ def reclaimed_html(report) -> str:
     return f'<div style="color:{OUTCOME_COLORS["ok"]};font-weight:600">{escape(reclaimed_words(report))}</div>'
 
 
-def guard_title_html(report) -> str:
-    color = OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome, "inherit")
+def guard_title_html(report, running: bool = False) -> str:
+    color = "inherit" if running else OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome,
+                                                         "inherit")
     words = value_words(report)
     limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
     sub = f'<div>{escape(words)}</div>' if words else ""
-    return f'<div style="font-weight:600;color:{color}">{escape(guard_title(report))}{limit}</div>{sub}'
+    return f'<div style="font-weight:600;color:{color}">{escape(guard_title(report, running))}{limit}</div>{sub}'
 
 
-def guard_html(report) -> str:
-    parts = [guard_title_html(report), guard_devices_html(report)]
-    if len(report.attempts) > 1 or (report.attempts and report.variable):
-        parts.append(attempts_html(report.attempts, report.variable))
-    parts.append(diagnosis_html(report))
-    if report.outcome in ("oom", "recovered") or report.reclaimed:
+def notes_html(report) -> str:
+    """What a rollback could not undo, and the warnings."""
+    return "".join([f'<div style="color:#a15c00">not undone: {escape(w)}</div>' for w in report.not_undone]
+                   + [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings])
+
+
+def guard_html(report, running: bool = False) -> str:
+    parts = [guard_title_html(report, running), guard_devices_html(report), attempts_html(report),
+             diagnosis_html(report)]
+    if report.show_reclaimed and not running:
         parts.append(reclaimed_html(report))
-    parts += [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings]
+    parts.append(notes_html(report))
     return box("".join(parts), "cuda-magic-guard")
 
 

@@ -5,5 +5,9 @@ from __future__ import annotations
 def render(obj, form: str) -> str | None:
     from cuda_magic.display.show import forms_of
 
+    if form == "line":
+        from cuda_magic.display.text import guard_line
+
+        return guard_line(obj)
     text, html, _ = forms_of(obj)
     return text() if form == "text" else html()

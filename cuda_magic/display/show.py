@@ -118,24 +118,25 @@ class GuardHandle:
             from cuda_magic.display.widget import GuardWidget
 
             try:
-                self.widget = GuardWidget(self.running())
+                self.widget = GuardWidget(self.running(), running=True)
             except ImportError as exc:
                 warnings.warn(f"{exc}; showing HTML instead", stacklevel=3)
                 self.form = "html"
             else:
                 self.display = publish(self.widget.bundle(), display_id=True)
         if self.form == "html":
-            self.display = publish(self.html_bundle(self.running()), display_id=True)
+            self.display = publish(self.html_bundle(self.running(), running=True), display_id=True)
 
     def running(self):
-        return replace(self.report, attempts=list(self.attempts), outcome="running")
+        """The report with the attempts shown so far (drawn with running=True: the cell is not done)."""
+        return replace(self.report, attempts=list(self.attempts))
 
     @staticmethod
-    def html_bundle(report) -> dict:
+    def html_bundle(report, running: bool = False) -> dict:
         from cuda_magic.display.html import guard_html
         from cuda_magic.display.text import guard_text
 
-        return {"text/html": guard_html(report), "text/plain": guard_text(report)}
+        return {"text/html": guard_html(report, running), "text/plain": guard_text(report, running)}
 
     def add_attempt(self, attempt) -> None:
         """One attempt has finished: show it now."""
@@ -145,7 +146,7 @@ class GuardHandle:
         if self.form == "widget":
             self.widget.add_attempt(attempt)        # the live view updates; the fallback forms at finish
         elif self.form == "html":
-            self.display.update(self.html_bundle(self.running()), raw=True)
+            self.display.update(self.html_bundle(self.running(), running=True), raw=True)
         elif self.report.variable:
             from cuda_magic.display.text import attempt_line
 
@@ -158,7 +159,7 @@ class GuardHandle:
         if self.quiet:
             return
         if self.form == "widget":
-            self.widget.update(report)
+            self.widget.update(report, running=False)
             self.display.update(self.widget.bundle(), raw=True)
         elif self.form == "html":
             self.display.update(self.html_bundle(report), raw=True)

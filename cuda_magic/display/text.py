@@ -20,7 +20,6 @@ BAR_SYMBOLS = {
 }
 BAR_WIDTH = 50
 OUTCOME_WORDS = {"ok": "fits", "oom": "out of memory", "error": "error", "interrupted": "interrupted"}
-MAX_ATTEMPT_ROWS = 12
 MAX_ADVICE = 5
 
 
@@ -170,10 +169,10 @@ def oom_title(oom) -> str:
     return title
 
 
-def guard_title(report) -> str:
+def guard_title(report, running: bool = False) -> str:
     var = report.variable
     src = report.source
-    if report.outcome == "running":              # shown while the cell runs (display.show)
+    if running:                                  # shown while the cell runs (display.show)
         return f"{src}: running the cell" + (f", attempt {len(report.attempts) + 1}" if report.attempts else "")
     if report.outcome == "ok":
         return f"{src}: the cell ran within memory"
@@ -181,11 +180,19 @@ def guard_title(report) -> str:
         return (f"{src}: out of memory at {var}={report.original_value}; "
                 f"fits at {var}={report.final_value}")
     if report.outcome == "oom":
-        return f"{src}: out of memory; memory released, no restart needed"
+        return f"{src}: out of memory; memory released" + ("" if report.api else ", no restart needed")
     if report.outcome == "interrupted":
         return f"{src}: interrupted; attempts stopped" + (f", {var} restored" if var else "")
     text = f"{src}: stopped by an error that is not out of memory"
     return text + (f": {report.exception_text}" if report.exception_text else "")
+
+
+def guard_line(report) -> str:
+    """The report in one line: what `-o` shows as the cell's value (the full report is already shown)."""
+    words = value_words(report)
+    tried = len(report.attempts)
+    extra = f", {tried} attempt{'s' if tried != 1 else ''}" if report.show_attempts else ""
+    return f"<GuardReport {report.device}: {report.outcome}{extra}" + (f"; {words}" if words else "") + ">"
 
 
 def value_words(report) -> str | None:
@@ -201,27 +208,36 @@ def value_words(report) -> str | None:
         words += f", {report.accumulate} = {acc}"
         if acc != report.original_accumulate:
             words += f" (was {report.original_accumulate})"
-    if report.outcome in ("oom", "error", "interrupted"):
+    if report.values_restored:
         words += " (restored)"
     return words
 
 
 def reclaimed_words(report) -> str:
+    keep_going = "" if report.api else " The kernel can keep going: no restart needed."
     if not report.reclaimed:
-        return "Nothing was left to reclaim. The kernel can keep going: no restart needed."
+        return "Nothing was left to reclaim." + keep_going
     per = ", ".join(f"{format_bytes(b)} on {k}" for k, b in report.reclaimed.items())
-    return f"Memory reclaimed: {per}. The kernel can keep going: no restart needed."
+    return f"Memory reclaimed: {per}.{keep_going}"
 
 
-def attempt_rows(attempts, variable: str | None) -> list[list[str]]:
-    rows = []
-    for i, a in enumerate(attempts, 1):
-        outcome = OUTCOME_WORDS.get(a.outcome, a.outcome)
+def attempt_rows(rows, variable: str | None) -> list[list[str]]:
+    """Table rows for (number, attempt) pairs; an int is the gap of a cut list (how many are left out)."""
+    out = []
+    width = 4 + (1 if variable else 0)
+    for row in rows:
+        if isinstance(row, int):
+            out.append(["…"] + [""] * (width - 2) + [f"{row} more"])
+            continue
+        i, a = row
+        outcome = OUTCOME_WORDS.get(a.outcome, str(a.outcome))
         if a.outcome == "oom" and a.requested is not None:
             outcome += f" (asked {format_bytes(a.requested)})"
-        row = [str(i)] + ([str(a.value)] if variable else [])
-        rows.append(row + [outcome, format_bytes(a.peak), format_duration(a.duration)])
-    return rows
+        if a.probe:
+            outcome += ", probe"
+        line = [str(i)] + ([str(a.value)] if variable else [])
+        out.append(line + [outcome, format_bytes(a.peak), format_duration(a.duration)])
+    return out
 
 
 def attempt_headers(variable: str | None) -> list[str]:
@@ -350,18 +366,13 @@ def attempt_line(attempt, number: int, variable: str | None) -> str:
     return f"[oomguard] attempt {number}:{value} -> {outcome} ({', '.join(extra)})"
 
 
-def guard_text(report) -> str:
-    lines = [guard_title(report)]
+def guard_text(report, running: bool = False) -> str:
+    lines = [guard_title(report, running)]
     if report.limit is not None:
         lines.append(f"limit: {format_bytes(report.limit)}")
     lines += guard_devices_text(report)
-    attempts = report.attempts
-    if len(attempts) > 1 or (attempts and report.variable):
-        rows = attempt_rows(attempts, report.variable)
-        if len(rows) > MAX_ATTEMPT_ROWS:
-            half = MAX_ATTEMPT_ROWS // 2
-            skipped = len(rows) - 2 * half
-            rows = rows[:half] + [["…", *[""] * (len(rows[0]) - 2), f"{skipped} more"]] + rows[-half:]
+    if report.show_attempts:
+        rows = attempt_rows(report.attempts_shown, report.variable)
         lines.append("Attempts")
         lines += table(attempt_headers(report.variable), rows, right={0, len(rows[0]) - 2, len(rows[0]) - 1})
     words = value_words(report)
@@ -381,9 +392,9 @@ def guard_text(report) -> str:
     diag = report.diagnosis
     if diag is not None:
         lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")
-        if diag.holders:
-            held = ", ".join(f"{n} ({format_bytes(b)})" for n, b in diag.holders[:6])
-            more = f" and {len(diag.holders) - 6} more" if len(diag.holders) > 6 else ""
+        if report.holders_shown:
+            held = ", ".join(f"{n} ({format_bytes(b)})" for n, b in report.holders_shown)
+            more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
             lines.append(f"  kept alive by names: {held}{more}")
         if diag.advice:
             lines.append("Try, most useful first:")
@@ -391,8 +402,9 @@ def guard_text(report) -> str:
                 lines.append(f"  {i}. {adv.text}")
                 if adv.code:
                     lines += [f"       {c}" for c in adv.code.splitlines()[:3]]
-    if report.outcome in ("oom", "recovered") or report.reclaimed:
+    if report.show_reclaimed and not running:
         lines.append(reclaimed_words(report))
+    lines += [f"not undone: {w}" for w in report.not_undone]
     lines += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines)
 

@@ -146,7 +146,7 @@ class SnapshotWidget(RecordWidget):
 class GuardWidget(RecordWidget):
     """`%%oomguard`: before / peak / after per device, the attempts as they happen, then the diagnosis."""
 
-    def __init__(self, report):
+    def __init__(self, report, running: bool = False):
         widgets = ipywidgets()
         self.title = widgets.HTML()
         self.levels = with_classes(widgets.HTML(), "cuda-magic-guard")
@@ -158,7 +158,7 @@ class GuardWidget(RecordWidget):
             widgets.VBox([self.title, self.levels, self.attempts, self.diagnosis, self.reclaimed, self.warnings],
                          layout=widgets.Layout(max_width="860px")),
             "cuda-magic-widget")
-        self.update(report)
+        self.update(report, running)
 
     @staticmethod
     def _show(w, value: str) -> None:
@@ -168,20 +168,19 @@ class GuardWidget(RecordWidget):
     def add_attempt(self, attempt) -> None:
         """Show one more finished attempt (the report's own list is left alone)."""
         self.attempt_list.append(attempt)
-        self._show(self.attempts, H.attempts_html(self.attempt_list, self.report.variable))
+        self._show(self.attempts, H.attempts_html(self.current()))
 
-    def update(self, report) -> None:
-        """Show the report as it now stands (at the start, or once the cell is done)."""
+    def update(self, report, running: bool = False) -> None:
+        """Show the report as it now stands (while the cell runs, or once it is done)."""
         self.report = report
+        self.running = running
         self.attempt_list = list(report.attempts)
-        self._show(self.title, H.guard_title_html(report))
+        self._show(self.title, H.guard_title_html(report, running))
         self._show(self.levels, H.guard_devices_html(report))
-        self._show(self.attempts, H.attempts_html(self.attempt_list, report.variable))
+        self._show(self.attempts, H.attempts_html(report))
         self._show(self.diagnosis, H.diagnosis_html(report))
-        done = report.outcome in ("oom", "recovered") or bool(report.reclaimed)
-        self._show(self.reclaimed, H.reclaimed_html(report) if done else "")
-        self._show(self.warnings, "".join(f'<div style="color:#a15c00">warning: {H.escape(w)}</div>'
-                                          for w in report.warnings))
+        self._show(self.reclaimed, H.reclaimed_html(report) if report.show_reclaimed and not running else "")
+        self._show(self.warnings, H.notes_html(report))
 
     def current(self):
         """The report with the attempts shown so far."""
@@ -190,10 +189,10 @@ class GuardWidget(RecordWidget):
         return replace(self.report, attempts=list(self.attempt_list))
 
     def text(self) -> str:
-        return T.guard_text(self.current())
+        return T.guard_text(self.current(), self.running)
 
     def html(self) -> str:
-        return H.guard_html(self.current())
+        return H.guard_html(self.current(), self.running)
 
 
 class WatchWidget(RecordWidget):

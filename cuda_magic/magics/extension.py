@@ -17,6 +17,9 @@ def load(shell) -> None:
         instance = cls(shell)
         shell.register_magics(instance)
         state.magics.append(instance)
+    from cuda_magic.magics.freed import install
+
+    install(shell)
 
 
 def unload(shell) -> None:
@@ -28,8 +31,10 @@ def unload(shell) -> None:
     if state.guard_all is not None:
         state.guard_all.stop()
     from cuda_magic.devices.simulated import stop_session
+    from cuda_magic.magics.freed import uninstall
 
     stop_session()
+    uninstall(shell)
     manager = shell.magics_manager
     for instance in state.magics:
         for kind, table in instance.magics.items():

@@ -17,9 +17,9 @@ _UNIT_WORDS = {"B", "KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB"}
 @magics_class
 class GuardMagics(Magics):
     @magic_arguments()
-    @argument("-r", dest="retry", default=None, metavar="VAR", help="on OOM, halve the integer VAR and run the cell again")
+    @argument("-r", dest="retry", default=None, metavar="VAR", help="on OOM, undo the attempt and run the cell again with the integer VAR at a value predicted to fit")
     @argument("--min", dest="floor", default=None, metavar="N", help="with -r: never go below N (default 1)")
-    @argument("--search", action="store_true", help="with -r: once a value fits, settle on the largest value that fits")
+    @argument("--search", action="store_true", help="with -r: find the largest value that fits (probes, each undone), then run the cell once at it")
     @argument("-a", dest="accumulate", default=None, metavar="VAR2", help="with -r: scale VAR2 so that VAR x VAR2 (the effective batch) stays at least what it was")
     @argument("--amp", choices=("bf16", "fp16"), default=None, help="run the cell under torch.autocast")
     @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
@@ -73,43 +73,32 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        from cuda_magic.recover.engine import GuardEngine, diagnose_report, finish_report, short_oom_error
-        from cuda_magic.recover.report import GuardReport
+        from cuda_magic.devices.meter import metered_devices
+        from cuda_magic.display.show import show_guard
         from cuda_magic.magics.cell import CompiledCell
+        from cuda_magic.recover.engine import GuardEngine
+        from cuda_magic.recover.failure import conclude, short_oom_error
+        from cuda_magic.recover.report import GuardReport
 
         ns = self.shell.user_ns
-        variable, accumulate, floor = self._retry_options(args, ns)
+        retry = self._retry_options(args, ns)
         meter, limit = self._meter(args)
         if args.expandable:
             self._expandable_segments(args.quiet)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
-        from cuda_magic.display.show import show_guard
-        from cuda_magic.devices.meter import metered_devices
-
-        report = GuardReport(device=meter.key, variable=variable, accumulate=accumulate, limit=limit)
+        report = GuardReport(device=meter.key, limit=limit)
         report.before = metered_devices(meter)
         handle = show_guard(report, quiet=args.quiet)
-        engine = GuardEngine(meter, limit=limit, amp=args.amp, variable=variable, accumulate=accumulate,
-                             floor=floor, search=args.search, get_value=ns.__getitem__,
-                             set_value=ns.__setitem__, shell=self.shell, filename=compiled.filename,
-                             lines=compiled.lines, on_attempt=handle.add_attempt, namespace=ns)
+        engine = GuardEngine(meter, values=ns, namespace=ns, retry=retry, limit=limit, amp=args.amp,
+                             filename=compiled.filename, lines=compiled.lines, on_attempt=handle.add_attempt,
+                             on_note=None if args.quiet else _print_note)
         try:
             _, passthrough = engine.run(compiled, report)
-        except KeyboardInterrupt:
-            finish_report(report, meter)
-            handle.finish(report)
-            raise
-        del compiled
-        finish_report(report, meter)
-        if report.oom is not None:
-            from cuda_magic.recover.cleanup import shared_holders
-
-            report.diagnosis = diagnose_report(report, meter, amp=args.amp is not None,
-                                               holders=shared_holders(self.shell))
-        if not args.quiet:
-            handle.finish(report)
-        elif report.outcome == "oom":
-            _show_final(report)
+        finally:
+            del compiled
+            conclude(report, meter, amp=args.amp is not None, shell=self.shell)
+            if not args.quiet or report.outcome == "oom":
+                (handle if not args.quiet else show_guard(report)).finish(report)
         if passthrough is not None:
             del report, engine, handle
             raise passthrough
@@ -130,6 +119,8 @@ class GuardMagics(Magics):
             print(said)
 
     def _retry_options(self, args, ns):
+        from cuda_magic.recover.engine import RetrySpec
+
         floor = 1
         if args.floor is not None:
             if args.retry is None:
@@ -142,7 +133,7 @@ class GuardMagics(Magics):
         if args.accumulate is not None and args.retry is None:
             raise UsageError("-a VAR2 needs -r VAR: VAR2 is scaled as VAR is reduced")
         if args.retry is None:
-            return None, None, floor
+            return None
         variable = _positive_int_variable(ns, args.retry, "-r")
         accumulate = None
         if args.accumulate is not None:
@@ -151,7 +142,7 @@ class GuardMagics(Magics):
                 raise UsageError("-a must name another variable than -r")
         if ns[variable] < floor:
             raise UsageError(f"{variable} is {ns[variable]}, already below --min {floor}")
-        return variable, accumulate, floor
+        return RetrySpec(variable, accumulate, floor, args.search)
 
     def _meter(self, args):
         from cuda_magic.devices.meter import choose_meter
@@ -187,7 +178,5 @@ def _check_device(text: str) -> str:
     return parse_device(text, keys)
 
 
-def _show_final(report) -> None:
-    from cuda_magic.display.show import show_guard
-
-    show_guard(report).finish(report)
+def _print_note(text: str) -> None:
+    print(f"[oomguard] note: {text}", flush=True)

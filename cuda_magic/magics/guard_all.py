@@ -2,7 +2,6 @@
 exception handling. `stop()` puts back whatever handling was there before."""
 from __future__ import annotations
 
-import gc
 import sys
 
 
@@ -31,14 +30,10 @@ class GuardAll:
         self.active = False
 
     def _handler(self, shell, etype, value, tb, tb_offset=None):
-        from cuda_magic.oom.classify import oom_kind
+        from cuda_magic.recover.failure import kind_of
+        from cuda_magic.recover.report import Outcome
 
-        kind = oom_kind(value)
-        if kind not in ("oom", "possible"):
-            if kind == "fatal" and hasattr(value, "add_note"):
-                from cuda_magic.recover.engine import FATAL_NOTE
-
-                value.add_note(FATAL_NOTE)
+        if kind_of(value) is not Outcome.OOM:      # a fatal CUDA error gets its restart note here
             return self._forward(etype, value, tb, tb_offset)
         try:
             self._explain(value)
@@ -55,46 +50,40 @@ class GuardAll:
         return None
 
     def _explain(self, value) -> None:
-        from cuda_magic.devices.allocator_conf import current_allocator_conf
-        from cuda_magic.devices.backends import read_devices
-        from cuda_magic.oom.diagnosis import diagnose
-        from cuda_magic.recover.engine import failure_point, short_oom_error
+        """The one path after an OOM (recover/failure.py), on the device that ran out. The handler runs
+        inside IPython's `except` block, but the failed cell's frames have finished: clearing them drops
+        their locals even though the exception itself lives on (IPython still shows it: not severed)."""
+        from cuda_magic.devices.meter import metered_devices
+        from cuda_magic.display.show import show
         from cuda_magic.oom.classify import oom_fields
-        from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
-        from cuda_magic.recover.cleanup import empty_caches, shared_holders
-        from cuda_magic.recover.report import Attempt, GuardReport
         from cuda_magic.oom.records import OomFields
+        from cuda_magic.recover.failure import (conclude, meter_for_failure, read_failure, release_failure,
+                                                short_oom_error)
+        from cuda_magic.recover.report import Attempt, GuardReport, Outcome
 
         shell = self.shell
-        before = read_devices().devices
-        key = before[0].key if before else "cpu"
-        report = GuardReport(device=key, before=before[:1], source="%oomguard on")
-        report.oom = oom_fields(value) or OomFields()
-        report.failure = failure_point(value.__traceback__, _cell_filename(shell, value.__traceback__), None)
-        allocated = before[0].torch_allocated if before else None
-        report.attempts.append(Attempt(value=None, outcome="oom", requested=report.oom.requested,
-                                       start_allocated=None))
-        # The handler runs inside IPython's `except` block, but the failed cell's frames have finished:
-        # clearing them drops their locals even though the exception object itself lives on.
-        drop_exception(value, user_ns=shell.user_ns, sever=False)
-        drop_exception_refs(shell)
-        gc.collect()
-        empty_caches()
-        after = read_devices().devices
-        report.after = after[:1]
-        if before and after and allocated is not None and after[0].torch_allocated is not None:
-            reserved_before = allocated + (before[0].torch_cached or 0)
-            reserved_after = after[0].torch_allocated + (after[0].torch_cached or 0)
-            report.reclaimed[key] = max(0, reserved_before - reserved_after)
-        report.diagnosis = diagnose(report.oom, holders=shared_holders(shell),
-                                    device_capacity=before[0].capacity if before else None,
-                                    alloc_conf=current_allocator_conf())
-        report.outcome = "oom"
-        from cuda_magic.display.show import show_guard
-
-        show_guard(report).finish(report)
+        meter = meter_for_failure(oom_fields(value) or OomFields())
+        report = GuardReport(device=meter.key, source="%oomguard on", outcome=Outcome.OOM)
+        report.before = metered_devices(meter)      # at the failure: the cell has already run
+        failure = read_failure(value, meter, filename=_cell_filename(shell, value.__traceback__))
+        report.oom, report.failure = failure.oom, failure.point
+        attempt = Attempt(None, Outcome.OOM, _peak(meter), failure.oom.requested, start_allocated=None)
+        report.attempts.append(attempt)
+        attempt.reclaimed = release_failure(value, failure, meter, user_ns=shell.user_ns, sever=False,
+                                            shell=shell)
+        if attempt.reclaimed is not None:
+            report.reclaimed[meter.key] = attempt.reclaimed
+        conclude(report, meter, shell=shell)
+        show(report)
         error = short_oom_error(report)
         shell.showtraceback((type(error), error, None))
+
+
+def _peak(meter) -> int | None:
+    try:
+        return meter.peak()
+    except (AssertionError, RuntimeError, OSError):
+        return None
 
 
 def _cell_filename(shell, tb) -> str | None:

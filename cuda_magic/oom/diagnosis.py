@@ -33,7 +33,7 @@ _GPU_BACKENDS = ("cuda", "hip", "cublas", "cudnn", "xpu")
 
 def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacity: int | None = None,
              peak: int | None = None, alloc_conf: str = "", limit: int | None = None,
-             batch_var: str | None = None, accum_var: str | None = None) -> Diagnosis:
+             batch_var: str | None = None, accum_var: str | None = None, api: bool = False) -> Diagnosis:
     """Causes of the OOM `fields` describes, ranked by the bytes each explains, and advice for them.
 
     holders: (description, bytes) of notebook names that still hold device memory, e.g.
@@ -42,7 +42,8 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     of the failed run, used where the message states no allocation figures. alloc_conf: the allocator
     settings in force (kept in the expandable_segments line). limit: a cap on what the cell may use
     (`-l`), which counts as the capacity. batch_var / accum_var: the names to put in the
-    `%%oomguard -r BATCH -a ACCUM` line.
+    `%%oomguard -r BATCH -a ACCUM` line. api: the run was guarded by the Python API, so the advice speaks
+    of it (`oomguard(retry=...)`, `release()`), not of magics or a kernel.
     """
     device_cap = fields.capacity if fields.capacity is not None else device_capacity
     caps = [c for c in (device_cap, fields.allowed, limit) if c is not None]
@@ -99,7 +100,7 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c))) or ["unknown"]
     context = dict(fields=fields, capacity=capacity, limited=limited, peak=peak, held=held, found=found,
                    others_estimated=estimated, amp=amp, alloc_conf=alloc_conf,
-                   batch=batch_var or "BATCH", accum=accum_var or "ACCUM")
+                   batch=batch_var or "BATCH", accum=accum_var or "ACCUM", api=api)
     return Diagnosis(causes=causes, summary=_summary(causes, context), advice=_advice(causes, context),
                      holders=held)
 
@@ -175,7 +176,8 @@ def _phrase(cause: str, ctx: dict) -> str:
     if cause == "names_holding":
         top = ", ".join(f"{n} ({format_bytes(b)})" for n, b in ctx["held"][:3])
         more = f" and {len(ctx['held']) - 3} more" if len(ctx["held"]) > 3 else ""
-        return f"notebook names keep {format_bytes(found[cause])} alive: {top}{more}"
+        names = "names" if ctx.get("api") else "notebook names"
+        return f"{names} keep {format_bytes(found[cause])} alive: {top}{more}"
     return _unknown_phrase(f)
 
 
@@ -237,6 +239,10 @@ def _container(name: str) -> str | None:
 
 
 def _batch(ctx):
+    if ctx["api"]:
+        line = f"@oomguard(retry=\"{ctx['batch']}\", accumulate=\"{ctx['accum']}\")"
+        return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx['batch']} "
+                      f"until it fits and raises {ctx['accum']} so that the effective batch stays the same.", line)
     line = f"%%oomguard -r {ctx['batch']} -a {ctx['accum']}"
     return Advice(f"Use a smaller batch: `{line}` halves {ctx['batch']} until the cell fits and raises "
                   f"{ctx['accum']} so that the effective batch stays the same.", line)
@@ -249,7 +255,7 @@ def _amp(ctx):
     device_type = {"cpu": "cpu", "simulated": "cpu", "mps": "mps", "xpu": "xpu"}.get(f.backend, "cuda")
     return Advice("Run in mixed precision: activations take half the memory. In plain code: "
                   f"`with torch.autocast('{device_type}', dtype=torch.bfloat16):` around the forward pass "
-                  "and the loss.", "%%oomguard --amp bf16")
+                  "and the loss.", "oomguard(amp=\"bf16\")" if ctx["api"] else "%%oomguard --amp bf16")
 
 
 def _accumulate(ctx):
@@ -276,12 +282,15 @@ def _expandable(ctx):
         return None
     if (conf_value(conf, "backend") or "native").lower() != "native":
         return None
+    for_you = "" if ctx["api"] else " (%%oomguard can do it for you)"
     return Advice("Switch on expandable_segments so that PyTorch's cache can grow segments instead of "
-                  "leaving unusable pieces; this line keeps your other allocator settings "
-                  "(%%oomguard can do it for you).", expandable_segments_line(conf))
+                  f"leaving unusable pieces; this line keeps your other allocator settings{for_you}.",
+                  expandable_segments_line(conf))
 
 
 def _freecuda(ctx):
+    if ctx["api"]:
+        return Advice("Give back what the failed run and the cache hold.", "cuda_magic.release()")
     return Advice("Give back what the failed run and the cache hold (the kernel keeps running).",
                   "%freecuda")
 
@@ -291,7 +300,7 @@ def _processes(ctx):
         return None
     return Advice("See which processes use the GPU and close those you do not need (another notebook's "
                   "kernel, a finished training run, a data-loader still holding the device).",
-                  "%gpumem --processes")
+                  "nvidia-smi" if ctx["api"] else "%gpumem --processes")
 
 
 def _holders_where(ctx, test):
@@ -326,6 +335,9 @@ def _delete(ctx):
         return None
     joined = " ".join(names)
     verb = "holds" if len(names) == 1 else "hold"
+    if ctx["api"]:
+        return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: delete them, then release the "
+                      "cache.", f"del {', '.join(names)}; cuda_magic.release()")
     return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: `del {', '.join(names)}` and "
                   f"then `%freecuda`, or in one step (`--offload` moves them to the CPU instead).",
                   f"%freecuda {joined}")

@@ -1,65 +1,39 @@
-"""The guard engine: run something that may run out of memory, measure it, and on an OOM copy out what
-the failure says, free everything it held, and (with a retried variable) try again at a value that fits.
+"""The guard engine: run something that may run out of memory, measure it, and on an OOM take the one
+path after a failure (recover/failure.py); with a retried variable, undo the failed attempt
+(recover/rollback.py) and try again at a value predicted to fit (recover/retry.py).
 
-Shared by `%%oomguard` and the Python API's `oomguard` decorator and context manager. The call is a
-no-argument callable; the retried variable is read and written through `get_value` / `set_value`.
+Shared by `%%oomguard` and the Python API's `oomguard` decorator. The call takes no argument; the
+retried variable lives in `values` (the user namespace, or the decorated function's arguments).
 """
 from __future__ import annotations
 
-import gc
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from cuda_magic.paths import is_library_file
-from cuda_magic.oom.classify import oom_fields, oom_kind
-from cuda_magic.recover.notebook_refs import drop_exception
-from cuda_magic.recover.cleanup import empty_caches
-from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport
-from cuda_magic.oom.records import OomFields
+from cuda_magic.recover.failure import (Failure, capacity_of, error_text, kind_of, read_failure,
+                                        release_failure)
+from cuda_magic.recover.report import Attempt, GuardReport, Outcome, Retry
 
-FATAL_NOTE = ("cuda_magic: this is not an out-of-memory error: after 'device-side assert triggered' or "
-              "'an illegal memory access', the CUDA context is unusable, and unlike an OOM this does need "
-              "a kernel restart.")
+
+@dataclass(frozen=True)
+class RetrySpec:
+    """`-r VAR [-a VAR2] [--min N] [--search]`, checked already."""
+
+    variable: str
+    accumulate: str | None = None
+    floor: int = 1
+    search: bool = False
 
 
 @dataclass
-class RunOutcome:
-    kind: str                          # 'ok', 'oom', 'error'
-    duration: float
-    start_allocated: int | None
-    peak: int | None
-    exc: BaseException | None = None   # a non-OOM error, passed through untouched
-    oom: OomFields | None = None
-    failure: FailurePoint | None = None
-    allocated_at_failure: int | None = None
-    reclaimed: int | None = None
+class RunResult:
+    """One run of the call: its attempt record, the call's value, and the exception to pass through."""
 
-
-def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailurePoint | None:
-    """Where a run failed: the deepest line of the cell itself, and the function it was in, if deeper."""
-    cell_line = None
-    deepest = None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if filename is not None and code.co_filename == filename:
-            cell_line = tb.tb_lineno
-        if not is_library_file(code.co_filename):
-            deepest = (code.co_name, code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    if cell_line is None and deepest is None:
-        return None
-    text = ""
-    if cell_line is not None and lines and 0 < cell_line <= len(lines):
-        text = lines[cell_line - 1].strip()
-    elif cell_line is not None and filename is not None:
-        import linecache
-
-        text = linecache.getline(filename, cell_line).strip()
-    function = filename_out = None
-    if deepest is not None and (deepest[1] != filename):
-        function, filename_out = deepest[0], f"{deepest[1]}:{deepest[2]}"
-    return FailurePoint(line=cell_line, text=text, function=function, filename=filename_out)
+    attempt: Attempt
+    value: object = None
+    error: BaseException | None = None       # not out of memory: passed through untouched
+    failure: Failure | None = None           # out of memory: what it said
 
 
 def autocast(amp: str | None, meter):
@@ -72,242 +46,210 @@ def autocast(amp: str | None, meter):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def run_once(call, meter, *, limit=None, amp=None, filename=None, lines=None, user_ns=None) -> tuple[RunOutcome, object]:
-    """One run of `call`, measured. KeyboardInterrupt propagates. Returns (outcome, call's value)."""
-    __tracebackhide__ = True  # noqa: F841
-    start = meter.allocated()
-    meter.reset_peak()
-    t0 = time.perf_counter()
-    failed = None
-    value = None
-    try:
-        with meter.running(limit), autocast(amp, meter):
-            value = call()
-    except Exception as exc:
-        kind = oom_kind(exc)
-        if kind not in ("oom", "possible"):
-            if kind == "fatal" and hasattr(exc, "add_note"):
-                exc.add_note(FATAL_NOTE)
-            return RunOutcome("error", time.perf_counter() - t0, start, meter.peak(), exc=exc), None
-        # Copy what the failure says into plain values; the exception itself is dropped below,
-        # outside this block, where its frames are no longer executing.
-        outcome = RunOutcome("oom", time.perf_counter() - t0, start, meter.peak(),
-                             oom=oom_fields(exc), failure=failure_point(exc.__traceback__, filename, lines),
-                             allocated_at_failure=meter.allocated())
-        failed = exc
-    else:
-        return RunOutcome("ok", time.perf_counter() - t0, start, meter.peak()), value
-    outcome.reclaimed = free_failure(failed, meter, user_ns=user_ns)
-    del failed
-    return outcome, None
-
-
-def free_failure(exc, meter, *, user_ns=None) -> int | None:
-    """Free what a failed run held: clear and sever the exception's frames, then a gc pass, then the
-    allocator cache, in that order. Call it outside the `except` block. Returns the bytes the device got
-    back (reserved before minus after), or None where the meter cannot say."""
-    reserved_at_failure = meter.reserved()
-    drop_exception(exc, user_ns=user_ns)
-    gc.collect()
-    empty_caches()
-    after = meter.reserved()
-    if reserved_at_failure is None or after is None:
-        return None
-    return max(0, reserved_at_failure - after)
-
-
-def finish_report(report: GuardReport, meter) -> None:
-    """The device after the run, and the highest peak of its attempts."""
-    from cuda_magic.devices.meter import metered_devices
-
-    report.after = metered_devices(meter)
-    peaks = [a.peak for a in report.attempts if a.peak is not None]
-    report.peaks[meter.key] = max(peaks) if peaks else None
-
-
-def diagnose_report(report: GuardReport, meter, *, amp: bool, holders=()):
-    """Why the report's OOM happened, with ranked advice."""
-    from cuda_magic.devices.allocator_conf import current_allocator_conf
-    from cuda_magic.oom.diagnosis import diagnose
-
-    try:
-        capacity = meter.capacity()
-    except Exception:
-        capacity = None
-    return diagnose(report.oom or OomFields(), holders=holders, amp=amp, device_capacity=capacity,
-                    peak=report.peaks.get(meter.key), alloc_conf=current_allocator_conf(),
-                    limit=report.limit, batch_var=report.variable, accum_var=report.accumulate)
-
-
 class GuardEngine:
-    """Runs a call under a meter, with the retry policy when a variable is retried."""
+    """Runs a call under a meter; with `retry`, the retry policy and the rollback of failed attempts.
 
-    def __init__(self, meter, *, limit=None, amp=None, variable=None, accumulate=None, floor=1,
-                 search=False, get_value=None, set_value=None, shell=None, filename=None, lines=None,
-                 on_attempt=None, namespace=None):
-        self.meter = meter
-        self.limit, self.amp = limit, amp
-        self.variable, self.accumulate = variable, accumulate
-        self.floor, self.search = floor, search
-        self.get_value, self.set_value = get_value, set_value
-        self.shell = shell
+    values: the mapping that holds the retried variables. namespace: the user namespace, whose bindings
+    an undone attempt restores and whose frames a clean-up never clears (None in a script). roots:
+    further objects whose state (modules, optimizers) is kept for the rollback (a function's arguments
+    and globals). filename/lines: the compiled cell, to say which of its lines failed.
+    """
+
+    def __init__(self, meter, *, values=None, namespace=None, retry: RetrySpec | None = None, limit=None,
+                 amp=None, filename=None, lines=None, roots=(), on_attempt=None, on_note=None):
+        self.meter, self.values, self.namespace = meter, values, namespace
+        self.retry, self.limit, self.amp = retry, limit, amp
         self.filename, self.lines = filename, lines
-        self.on_attempt = on_attempt
-        self.namespace = namespace   # watched for rebinding by failed attempts (effects that repeat)
+        self.roots = roots
+        self.on_attempt = on_attempt or (lambda attempt: None)
+        self.on_note = on_note or (lambda text: None)
 
+    # one run ------------------------------------------------------------------------------------
+    def run_once(self, call, value=None, *, undo=None) -> RunResult:
+        """Run and measure. On an OOM: copy out what it says, `undo()` the attempt, then free what the
+        failure held. KeyboardInterrupt is recorded and propagates."""
+        __tracebackhide__ = True  # noqa: F841
+        meter = self.meter
+        start = meter.allocated()
+        meter.reset_peak()
+        t0 = time.perf_counter()
+        failed = None
+        try:
+            with meter.running(self.limit), autocast(self.amp, meter):
+                out = call()
+        except KeyboardInterrupt:
+            self._record(Attempt(value, Outcome.INTERRUPTED, meter.peak(), duration=time.perf_counter() - t0,
+                                 start_allocated=start))
+            raise
+        except Exception as exc:
+            if kind_of(exc) is not Outcome.OOM:
+                attempt = Attempt(value, Outcome.ERROR, meter.peak(), duration=time.perf_counter() - t0,
+                                  start_allocated=start)
+                return RunResult(self._record(attempt), error=exc)
+            failure = read_failure(exc, meter, filename=self.filename, lines=self.lines)
+            attempt = Attempt(value, Outcome.OOM, meter.peak(), failure.oom.requested,
+                              time.perf_counter() - t0, start)
+            failed = exc
+        else:
+            attempt = Attempt(value, Outcome.OK, meter.peak(), duration=time.perf_counter() - t0,
+                              start_allocated=start)
+            return RunResult(self._record(attempt), value=out)
+        # outside the `except` block: the failed frames have finished and can be cleared
+        if undo is not None:
+            undo()
+        attempt.reclaimed = release_failure(failed, failure, meter, user_ns=self.namespace)
+        del failed
+        return RunResult(self._record(attempt), failure=failure)
+
+    def _record(self, attempt: Attempt) -> Attempt:
+        self.report.attempts.append(attempt)
+        self.on_attempt(attempt)
+        return attempt
+
+    def _failed(self, result: RunResult) -> None:
+        report = self.report
+        report.oom, report.failure = result.failure.oom, result.failure.point
+        if result.attempt.reclaimed is not None:
+            report.reclaimed[self.meter.key] = result.attempt.reclaimed   # per clean-up, never summed
+
+    # the run ------------------------------------------------------------------------------------
     def run(self, call, report: GuardReport):
-        """Returns (value of the last successful run, passthrough exception or None)."""
+        """Returns (value of the run that stands, exception to pass through or None)."""
+        __tracebackhide__ = True  # noqa: F841
+        self.report = report
+        if self.retry is None:
+            try:
+                result = self.run_once(call)
+            except KeyboardInterrupt:
+                report.outcome = Outcome.INTERRUPTED
+                raise
+            report.outcome = result.attempt.outcome
+            if result.error is not None:
+                report.exception_text = error_text(result.error)
+                return None, result.error
+            if result.failure is not None:
+                self._failed(result)
+            return result.value, None
+        return self._run_retried(call, report)
+
+    def _run_retried(self, call, report: GuardReport):
         __tracebackhide__ = True  # noqa: F841
         from cuda_magic.recover.retry import BatchSearch
+        from cuda_magic.recover.rollback import Checkpoint
 
-        user_ns = getattr(self.shell, "user_ns", None)
-        policy = None
-        if self.variable is not None:
-            report.original_value = self.get_value(self.variable)
-            if self.accumulate is not None:
-                report.original_accumulate = self.get_value(self.accumulate)
-            capacity = self.limit or _capacity(self.meter)
-            policy = BatchSearch(int(report.original_value), self.floor, self.search, capacity=capacity)
-            value = policy.first()
-        else:
-            value = None
-        result = None
-        last_ok_value = None
+        spec, values = self.retry, self.values
+        report.retry = retry = Retry(spec.variable, int(values[spec.variable]), accumulate=spec.accumulate,
+                                     search=spec.search)
+        if spec.accumulate is not None:
+            retry.original_accumulate = int(values[spec.accumulate])
+        keep = {spec.variable, spec.accumulate} - {None}
+        checkpoint = Checkpoint(self.namespace, roots=self.roots, keep=keep)
+        for note in checkpoint.take():
+            report.warnings.append(note)
+            self.on_note(note)
+        policy = BatchSearch(retry.original, spec.floor, spec.search,
+                             capacity=self.limit or capacity_of(self.meter))
+        value = policy.first()
+        kept = None                              # the run whose effects stand: (value, call's value)
         try:
-            while True:
-                if policy is not None:
-                    self._apply(value, report)
-                before_ns = _bindings(self.namespace) if policy is not None else None
-                outcome, out = run_once(call, self.meter, limit=self.limit, amp=self.amp,
-                                        filename=self.filename, lines=self.lines, user_ns=user_ns)
-                attempt = Attempt(value=value, outcome=outcome.kind, peak=outcome.peak,
-                                  requested=outcome.oom.requested if outcome.oom else None,
-                                  duration=outcome.duration, start_allocated=outcome.start_allocated)
-                report.attempts.append(attempt)
-                if outcome.kind == "oom":
-                    report.oom, report.failure = outcome.oom, outcome.failure
-                    report.reclaimed[self.meter.key] = report.reclaimed.get(self.meter.key, 0) + (outcome.reclaimed or 0)
-                    if before_ns is not None:
-                        self._warn_rebound(before_ns, report)
-                if self.on_attempt is not None:
-                    self.on_attempt(attempt)
-                if outcome.kind == "error":
-                    if policy is not None:
-                        self._restore(report)
-                        report.warnings.append(f"stopped: {type(outcome.exc).__name__} is not an out-of-memory "
-                                               f"error; {self._restored_words(report)}")
-                    report.outcome = "error"
-                    report.exception_text = f"{type(outcome.exc).__name__}: {outcome.exc}"
-                    return None, outcome.exc
-                if outcome.kind == "ok":
-                    result, last_ok_value = out, value
-                if policy is None:
-                    report.outcome = "ok" if outcome.kind == "ok" else "oom"
-                    return result, None
-                policy.record(value, outcome.kind == "ok", peak=outcome.peak, requested=attempt.requested,
-                              baseline=outcome.start_allocated,
-                              allocated_at_failure=outcome.allocated_at_failure,
-                              capacity=outcome.oom.capacity if outcome.oom and not self.limit else None)
-                value = policy.next()
-                if value is None:
+            while value is not None:
+                self._apply(value)
+                with checkpoint.watching():
+                    result = self.run_once(call, value, undo=checkpoint.restore)
+                if result.error is not None:
+                    self._restore_values()
+                    report.outcome = Outcome.ERROR
+                    report.exception_text = error_text(result.error)
+                    report.warnings.append(f"stopped: {type(result.error).__name__} is not an out-of-memory "
+                                           f"error; {self._restored_words()}")
+                    report.not_undone = checkpoint.not_undone()
+                    return None, result.error
+                ok = result.failure is None
+                if not ok:
+                    self._failed(result)
+                policy.record(value, ok, peak=result.attempt.peak, requested=result.attempt.requested,
+                              baseline=result.attempt.start_allocated,
+                              allocated_at_failure=result.failure.allocated if result.failure else None,
+                              capacity=result.failure.oom.capacity if result.failure and not self.limit else None)
+                following = policy.next()
+                if ok and (following is None and policy.best == value):
+                    kept = (value, result.value)       # the last run fitted at the value found: it stands
                     break
+                if ok:                                 # a --search probe: undone, like a failed attempt
+                    result.attempt.probe = True
+                    checkpoint.restore()
+                    collect_freed()
+                if following is None and policy.best is not None:
+                    following = policy.best            # the real run at the value found
+                    self.on_note(f"running the cell at {spec.variable}={following}, the value found")
+                    self._apply(following)
+                    with checkpoint.watching():
+                        result = self.run_once(call, following)
+                    if result.error is not None:
+                        self._restore_values()
+                        report.outcome = Outcome.ERROR
+                        report.exception_text = error_text(result.error)
+                        report.not_undone = checkpoint.not_undone()
+                        return None, result.error
+                    if result.failure is None:
+                        kept = (following, result.value)
+                    else:
+                        self._failed(result)
+                        report.warnings.append(f"{spec.variable}={following} fitted as a probe but ran out "
+                                               "of memory when run for real")
+                    break
+                value = following
         except KeyboardInterrupt:
-            if policy is not None:
-                self._restore(report)
-                report.warnings.append(f"interrupted: {self._restored_words(report)}")
-            report.outcome = "interrupted"
+            self._restore_values()
+            report.outcome = Outcome.INTERRUPTED
+            report.warnings.append(f"interrupted: {self._restored_words()}")
+            report.not_undone = checkpoint.not_undone()
             raise
-        best = policy.best
-        if best is None:
-            self._restore(report)
-            report.outcome = "oom"
-            report.warnings.append(f"even {self.variable}={report.attempts[-1].value} ran out of memory (the "
-                                   f"floor is {self.floor}); {self._restored_words(report)}")
+        report.not_undone = checkpoint.not_undone()
+        if kept is None:
+            self._restore_values()
+            report.outcome = Outcome.OOM
+            last = report.attempts[-1].value
+            why = policy.stop_reason if policy.independent else (
+                f"even {spec.variable}={last} ran out of memory (the floor is {spec.floor})")
+            report.warnings.append(f"{why}; {self._restored_words()}")
             return None, None
-        self._apply(best, report)
-        report.final_value = best
-        if self.accumulate is not None:
-            report.final_accumulate = self.get_value(self.accumulate)
-        report.outcome = "recovered" if best != report.original_value else "ok"
-        if last_ok_value != report.attempts[-1].value:
-            report.warnings.append(f"the last attempt ({self.variable}={report.attempts[-1].value}) ran out of "
-                                   f"memory after the run with {self.variable}={best} had finished; the cell's "
-                                   "state is from that failed attempt, so run the cell again to redo its work")
-        return result, None
+        final, out = kept
+        self._apply(final)
+        retry.final = final
+        if spec.accumulate is not None:
+            retry.final_accumulate = int(values[spec.accumulate])
+        report.outcome = Outcome.RECOVERED if final != retry.original else Outcome.OK
+        return out, None
 
     # variables ----------------------------------------------------------------------------------
-    def _apply(self, value, report) -> None:
+    def _apply(self, value) -> None:
         from cuda_magic.recover.retry import scale_accumulation
 
-        self.set_value(self.variable, value)
-        if self.accumulate is not None:
-            self.set_value(self.accumulate, scale_accumulation(int(report.original_value),
-                                                               int(report.original_accumulate), value))
+        retry = self.report.retry
+        self.values[retry.variable] = value
+        if retry.accumulate is not None:
+            self.values[retry.accumulate] = scale_accumulation(retry.original, retry.original_accumulate, value)
 
-    def _restore(self, report) -> None:
-        if report.original_value is not None:
-            self.set_value(self.variable, report.original_value)
-        if self.accumulate is not None and report.original_accumulate is not None:
-            self.set_value(self.accumulate, report.original_accumulate)
+    def _restore_values(self) -> None:
+        retry = self.report.retry
+        self.values[retry.variable] = retry.original
+        if retry.accumulate is not None:
+            self.values[retry.accumulate] = retry.original_accumulate
 
-    def _restored_words(self, report) -> str:
-        words = f"{self.variable} restored to {report.original_value}"
-        if self.accumulate is not None:
-            words += f" and {self.accumulate} to {report.original_accumulate}"
+    def _restored_words(self) -> str:
+        retry = self.report.retry
+        words = f"{retry.variable} restored to {retry.original}"
+        if retry.accumulate is not None:
+            words += f" and {retry.accumulate} to {retry.original_accumulate}"
         return words
 
-    def _warn_rebound(self, before: dict, report) -> None:
-        after = _bindings(self.namespace)
-        skip = {self.variable, self.accumulate}
-        changed = sorted(k for k, v in after.items() if k not in skip and before.get(k) != v)
-        if changed:
-            shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
-            note = (f"the cell changed {shown} before it ran out of memory; each retry re-runs the cell from "
-                    "its first line, so those effects repeat")
-            if note not in report.warnings:
-                report.warnings.append(note)
 
+def collect_freed() -> None:
+    """After an undone probe that fitted: its tensors are unbound; collect them and empty the cache."""
+    import gc
 
-def _bindings(namespace) -> dict | None:
-    if namespace is None:
-        return None
-    return {k: id(v) for k, v in list(namespace.items()) if not k.startswith("_")}
+    from cuda_magic.recover.cleanup import empty_caches
 
-
-def _capacity(meter) -> int | None:
-    try:
-        return meter.capacity()
-    except Exception:
-        return None
-
-
-def short_oom_error(report: GuardReport):
-    """The short error raised after an OOM: holds no frames of the failed run, and no context."""
-    cls = _short_error_class()
-    reclaimed = sum(report.reclaimed.values())
-    from cuda_magic.units import format_bytes
-
-    what = f"{report.variable}={report.attempts[-1].value}: " if report.variable and report.attempts else ""
-    return cls(f"{what}out of memory in this cell (explained above; {format_bytes(reclaimed)} reclaimed, the "
-               "kernel can keep going)")
-
-
-_short_cls = None
-
-
-def _short_error_class():
-    global _short_cls
-    if _short_cls is None:
-        import torch
-
-        class OutOfMemoryError(torch.OutOfMemoryError):
-            """Raised by `%%oomguard` after an out-of-memory error it cleaned up: holds nothing.
-            A subclass of torch.OutOfMemoryError, so `except torch.OutOfMemoryError` still catches it."""
-
-            def _render_traceback_(self):
-                return [f"OutOfMemoryError: {self}"]
-
-        OutOfMemoryError.__module__ = "cuda_magic"
-        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
-        _short_cls = OutOfMemoryError
-    return _short_cls
+    gc.collect()
+    empty_caches()

@@ -1,12 +1,33 @@
-"""What `%%oomguard` and `%freecuda` report: plain records, no tensors, sizes in int bytes."""
+"""What `%%oomguard` and `%freecuda` report: plain records, no tensors, sizes in int bytes.
+
+The report also decides what is worth showing (`show_attempts`, `show_reclaimed`, `holders_shown`, ...):
+the text, HTML and widget forms in `display/` ask it, so that they cannot disagree.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
-from cuda_magic.reprs import Rendered
+from cuda_magic.reprs import Rendered, render
 
 from cuda_magic.devices.records import DeviceMemory
 from cuda_magic.oom.records import Diagnosis, OomFields
+
+HOLDERS_SHOWN = 6          # names kept alive, listed by name; the rest counted
+ATTEMPT_ROWS_SHOWN = 12    # attempts listed; beyond, the first and last half with a gap between
+
+
+class Outcome(str, Enum):
+    """How a guarded run (or one attempt of it) ended. A str, so `outcome == "ok"` reads naturally."""
+
+    OK = "ok"                      # ran within memory
+    RECOVERED = "recovered"        # a retry fitted at a smaller value (reports only)
+    OOM = "oom"                    # out of memory (and, for a report, nothing fitted)
+    ERROR = "error"                # an error that is not out of memory stopped it
+    INTERRUPTED = "interrupted"    # KeyboardInterrupt
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -14,11 +35,16 @@ class Attempt:
     """One run of a guarded cell."""
 
     value: int | None                     # the retried variable's value, None without -r
-    outcome: str                          # 'ok', 'oom', 'error', 'interrupted'
+    outcome: Outcome                      # OK, OOM, ERROR or INTERRUPTED
     peak: int | None = None               # exact peak of allocated bytes during the run
     requested: int | None = None          # what the failing allocation asked for
     duration: float = 0.0                 # seconds
     start_allocated: int | None = None    # allocated bytes on the device when the attempt started
+    reclaimed: int | None = None          # bytes the clean-up after this attempt gave back
+    probe: bool = False                   # a --search probe: rolled back even though it fitted
+
+    def __post_init__(self):
+        self.outcome = Outcome(self.outcome)
 
 
 @dataclass
@@ -31,35 +57,125 @@ class FailurePoint:
     filename: str | None = None
 
 
+@dataclass
+class Retry:
+    """The retried variable (`-r VAR`, `oomguard(retry=...)`) and the one scaled with it (`-a VAR2`)."""
+
+    variable: str
+    original: int
+    final: int | None = None              # the value kept: the largest that ran; None if none did
+    accumulate: str | None = None
+    original_accumulate: int | None = None
+    final_accumulate: int | None = None
+    search: bool = False                  # --search: probes rolled back, then one real run
+
+    @property
+    def restored(self) -> bool:
+        """The variables are back at their original values (nothing fitted, or the attempts stopped)."""
+        return self.final is None
+
+
 @dataclass(repr=False)
 class GuardReport(Rendered):
+    """The result of one `%%oomguard` cell; `-o` returns it (shown as one line: it has been displayed)."""
+
     _html_repr = False
-    """The result of one `%%oomguard` cell; `-o` returns it."""
 
     device: str                           # device key the figures are for
     before: list[DeviceMemory] = field(default_factory=list)
     after: list[DeviceMemory] = field(default_factory=list)
     peaks: dict[str, int | None] = field(default_factory=dict)   # per device key
     attempts: list[Attempt] = field(default_factory=list)
-    variable: str | None = None           # -r VAR
-    accumulate: str | None = None         # -a VAR2
-    original_value: int | None = None
-    final_value: int | None = None        # largest value that ran, None if none did
-    original_accumulate: int | None = None
-    final_accumulate: int | None = None
+    retry: Retry | None = None            # with -r only
     oom: OomFields | None = None          # parsed fields of the (last) OOM
     diagnosis: Diagnosis | None = None
     failure: FailurePoint | None = None
-    reclaimed: dict[str, int] = field(default_factory=dict)      # bytes given back, per device key
-    outcome: str = "ok"                   # 'ok', 'recovered' (retry fitted), 'oom', 'error', 'interrupted'
+    reclaimed: dict[str, int] = field(default_factory=dict)      # bytes the last clean-up gave back, per device
+    outcome: Outcome = Outcome.OK
     limit: int | None = None              # -l cap in bytes
     warnings: list[str] = field(default_factory=list)
-    exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the attempts
+    not_undone: list[str] = field(default_factory=list)  # effects of failed attempts a rollback could not undo
+    exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the run
     source: str = "%%oomguard"            # what guarded the run: '%%oomguard', '%oomguard on', 'oomguard'
+    api: bool = False                     # run through the Python API: advice speaks of it, not of magics
+
+    def __post_init__(self):
+        self.outcome = Outcome(self.outcome)
+
+    # the retried variable, read through the record ----------------------------------------------
+    @property
+    def variable(self) -> str | None:
+        return self.retry.variable if self.retry else None
 
     @property
+    def accumulate(self) -> str | None:
+        return self.retry.accumulate if self.retry else None
+
+    @property
+    def original_value(self) -> int | None:
+        return self.retry.original if self.retry else None
+
+    @property
+    def final_value(self) -> int | None:
+        return self.retry.final if self.retry else None
+
+    @property
+    def original_accumulate(self) -> int | None:
+        return self.retry.original_accumulate if self.retry else None
+
+    @property
+    def final_accumulate(self) -> int | None:
+        return self.retry.final_accumulate if self.retry else None
+
+    # what to show: decided here, drawn by each form ----------------------------------------------
+    @property
     def succeeded(self) -> bool:
-        return self.outcome in ("ok", "recovered")
+        return self.outcome in (Outcome.OK, Outcome.RECOVERED)
+
+    @property
+    def show_attempts(self) -> bool:
+        """A table of attempts: for a retried run, or whenever there was more than one."""
+        return len(self.attempts) > 1 or (bool(self.attempts) and self.retry is not None)
+
+    @property
+    def attempts_shown(self) -> list[tuple[int, Attempt] | int]:
+        """(number, attempt) rows to list; where a long list is cut, an int in between: how many are not."""
+        rows: list = list(enumerate(self.attempts, 1))
+        if len(rows) > ATTEMPT_ROWS_SHOWN:
+            half = ATTEMPT_ROWS_SHOWN // 2
+            rows = rows[:half] + [len(rows) - 2 * half] + rows[-half:]
+        return rows
+
+    @property
+    def show_reclaimed(self) -> bool:
+        """Whether to say how much the clean-up gave back (after any OOM)."""
+        return self.outcome in (Outcome.OOM, Outcome.RECOVERED) or bool(self.reclaimed)
+
+    @property
+    def values_restored(self) -> bool:
+        """The retried variables were put back to what they were."""
+        return self.retry is not None and self.outcome in (Outcome.OOM, Outcome.ERROR, Outcome.INTERRUPTED)
+
+    @property
+    def holders_shown(self) -> list[tuple[str, int]]:
+        holders = self.diagnosis.holders if self.diagnosis is not None else []
+        return list(holders[:HOLDERS_SHOWN])
+
+    @property
+    def holders_hidden(self) -> int:
+        holders = self.diagnosis.holders if self.diagnosis is not None else []
+        return max(0, len(holders) - HOLDERS_SHOWN)
+
+    @property
+    def probe_time(self) -> float:
+        """Seconds spent in --search probes (the cost of searching)."""
+        return sum(a.duration for a in self.attempts if a.probe)
+
+    def __repr__(self) -> str:
+        return render(self, "line")
+
+    def __str__(self) -> str:
+        return render(self, "text")
 
 
 @dataclass(repr=False)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from cuda_magic.units import format_bytes
 
+RETRY_SHARE = 0.88   # -r: try this fraction of the largest value the first failure leaves possible
+REPEAT_SHARE = 0.6   # -r, after more than one failure: at most this fraction of the smallest value that failed
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
 MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit
 DESCENT = 0.25       # nothing fitted yet: try this fraction of the largest value a failure leaves possible
@@ -93,6 +95,7 @@ class BatchSearch:
         self.stop_reason = ""
         self._pending: int | None = None
         self._done = False
+        self.independent = False          # the memory did not change with the value: stopped
 
     # the loop the guard drives -------------------------------------------------------------------
     def first(self) -> int:
@@ -111,6 +114,27 @@ class BatchSearch:
         reason, self._pending = self.reason, None
         self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
                                      allocated_at_failure, self.capacity))
+        self._check_independent()
+
+    def _check_independent(self) -> None:
+        """Two failures at different values that asked for the same allocation with the same memory in
+        use (and reached the same peak): the memory does not depend on the value, so stop."""
+        failed = [m for m in self.history if not m.ok and m.requested is not None]
+        if len(failed) < 2:
+            return
+        a, b = failed[-2], failed[-1]
+
+        def used(m):
+            return None if m.allocated_at_failure is None else m.allocated_at_failure - (m.baseline or 0)
+
+        def own_peak(m):
+            return None if m.peak is None else m.peak - (m.baseline or 0)
+
+        if a.value != b.value and a.requested == b.requested and used(a) == used(b) and own_peak(a) == own_peak(b):
+            self._done, self.independent = True, True
+            self.stop_reason = (f"the cell's memory does not depend on this value: at {a.value} and at {b.value} "
+                                f"it failed asking for the same {format_bytes(b.requested)} with the same memory "
+                                "in use, so a smaller value will not help; stopped")
 
     def next(self) -> int | None:
         if self._pending is not None:
@@ -173,14 +197,18 @@ class BatchSearch:
         if hi <= self.floor:
             return None, f"the floor {self.floor} ran out of memory"
         bound, why = hi, ""
-        if self.search:
-            for m in self.history:
-                limit = self._failure_bound(m)
-                if limit is not None and limit < bound:
-                    bound = limit
-                    why = (f"{self.descent:.0%} of {limit}, the most that the failure at {m.value} "
-                           f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
-        value = int(bound * self.descent) if bound < hi else hi // 2
+        share = self.descent if self.search else RETRY_SHARE
+        for m in self.history:
+            limit = self._failure_bound(m)
+            if limit is not None and limit < bound:
+                bound = limit
+                why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
+                       f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
+        value = int(bound * share) if bound < hi else hi // 2
+        failures = sum(not m.ok for m in self.history)
+        if not self.search and failures > 1 and value > int(hi * REPEAT_SHARE):
+            value, why = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed"
+        value = min(value, hi - 1)
         if value < self.floor:
             return self.floor, f"the floor {self.floor} (--min)"
         return value, why or f"halved from {hi}"

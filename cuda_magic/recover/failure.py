@@ -1,0 +1,206 @@
+"""The one path after an out-of-memory error, shared by `%%oomguard` (the engine), the Python API (its
+decorator, through the engine, and its context manager) and `%oomguard on`:
+
+1. `read_failure`: inside the `except` block, copy what the failure says into plain values (the parsed
+   message, the cell's failing line, the meter's counters at the failure);
+2. `release_failure`: outside it, clear the frames of the exception and everything chained to it, drop
+   the notebook's references to it where asked, collect garbage, empty the allocator cache, and measure
+   what the device got back;
+3. `conclude`: the device after, the peak, and the diagnosis with the names that still hold memory.
+
+The meter is the device that ran out (`meter_for_failure` picks it from the message where the caller
+did not choose one), so "before", "after" and "reclaimed" all speak of the same device.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+from cuda_magic.oom.classify import FATAL_NOTE, oom_fields, oom_kind
+from cuda_magic.oom.records import OomFields
+from cuda_magic.paths import is_library_file
+from cuda_magic.recover.cleanup import empty_caches, shared_holders
+from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
+from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
+
+
+@dataclass
+class Failure:
+    """What an out-of-memory error said, copied out of it: holds no frame and no tensor."""
+
+    oom: OomFields
+    point: FailurePoint | None
+    allocated: int | None          # allocated on the meter's device when it failed
+    reserved: int | None           # reserved then: what a clean-up gives back is measured against it
+
+
+def kind_of(exc: BaseException) -> Outcome:
+    """OOM for an out-of-memory error (also cuDNN's possible one), INTERRUPTED for Ctrl-C, else ERROR.
+    A fatal CUDA error gets the note that, unlike an OOM, it needs a kernel restart."""
+    if isinstance(exc, KeyboardInterrupt):
+        return Outcome.INTERRUPTED
+    kind = oom_kind(exc)
+    if kind in ("oom", "possible"):
+        return Outcome.OOM
+    if kind == "fatal":
+        add_fatal_note(exc)
+    return Outcome.ERROR
+
+
+def add_fatal_note(exc: BaseException) -> None:
+    notes = getattr(exc, "__notes__", None) or []
+    if hasattr(exc, "add_note") and FATAL_NOTE not in notes:
+        exc.add_note(FATAL_NOTE)
+
+
+def error_text(exc: BaseException) -> str:
+    """`Type: message` of an error, for a report (its first line)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailurePoint | None:
+    """Where a run failed: the deepest line of the cell itself, and the function it was in, if deeper."""
+    cell_line = None
+    deepest = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if filename is not None and code.co_filename == filename:
+            cell_line = tb.tb_lineno
+        if not is_library_file(code.co_filename):
+            deepest = (code.co_name, code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if cell_line is None and deepest is None:
+        return None
+    text = ""
+    if cell_line is not None and lines and 0 < cell_line <= len(lines):
+        text = lines[cell_line - 1].strip()
+    elif cell_line is not None and filename is not None:
+        import linecache
+
+        text = linecache.getline(filename, cell_line).strip()
+    function = filename_out = None
+    if deepest is not None and (deepest[1] != filename):
+        function, filename_out = deepest[0], f"{deepest[1]}:{deepest[2]}"
+    return FailurePoint(line=cell_line, text=text, function=function, filename=filename_out)
+
+
+def read_failure(exc: BaseException, meter, *, filename: str | None = None,
+                 lines: list[str] | None = None) -> Failure:
+    """Step 1, inside the `except` block: plain values only."""
+    return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
+                   allocated=_read(meter.allocated), reserved=_read(meter.reserved))
+
+
+def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None, sever: bool = True,
+                    shell=None) -> int | None:
+    """Step 2, outside the `except` block: free what the failed run held. `sever` also cuts the
+    exception's traceback and chain (not when IPython still shows it, as under `%oomguard on`); `shell`
+    also drops IPython's and `sys.last_*` references to the last error. Returns the bytes the device got
+    back (reserved at the failure less reserved now, at most the capacity), None where not measurable."""
+    drop_exception(exc, user_ns=user_ns, sever=sever)
+    if shell is not None:
+        drop_exception_refs(shell)
+    gc.collect()
+    empty_caches()
+    after = _read(meter.reserved)
+    if failure.reserved is None or after is None:
+        return None
+    reclaimed = max(0, failure.reserved - after)
+    capacity = capacity_of(meter)
+    return min(reclaimed, capacity) if capacity else reclaimed
+
+
+def finish_report(report: GuardReport, meter) -> None:
+    """The device after the run, and the highest peak of its attempts."""
+    from cuda_magic.devices.meter import metered_devices
+
+    report.after = metered_devices(meter)
+    peaks = [a.peak for a in report.attempts if a.peak is not None]
+    report.peaks[meter.key] = max(peaks) if peaks else None
+
+
+def conclude(report: GuardReport, meter, *, amp: bool = False, shell=None) -> None:
+    """Step 3: finish the report; after an OOM, diagnose it with the names that still hold memory (the
+    shell's user variables, or `__main__`'s in a script)."""
+    finish_report(report, meter)
+    if report.oom is None:
+        return
+    from cuda_magic.devices.allocator_conf import current_allocator_conf
+    from cuda_magic.oom.diagnosis import diagnose
+
+    report.diagnosis = diagnose(report.oom, holders=shared_holders(shell), amp=amp,
+                                device_capacity=capacity_of(meter), peak=report.peaks.get(meter.key),
+                                alloc_conf=current_allocator_conf(), limit=report.limit,
+                                batch_var=report.variable, accum_var=report.accumulate, api=report.api)
+
+
+def meter_for_failure(fields: OomFields):
+    """The meter of the device an OOM message names (the first GPU, or the CPU, where it names none)."""
+    from cuda_magic.devices.meter import choose_meter
+
+    device = fields.device
+    try:
+        meter, _ = choose_meter(device, None, None)
+    except (ValueError, RuntimeError, AssertionError):
+        meter, _ = choose_meter(None, None, None)
+    return meter
+
+
+def capacity_of(meter) -> int | None:
+    try:
+        return meter.capacity()
+    except (AssertionError, RuntimeError, AttributeError, OSError):
+        return None
+
+
+def _read(counter) -> int | None:
+    try:
+        return counter()
+    except (AssertionError, RuntimeError, OSError):
+        return None
+
+
+def short_oom_error(report: GuardReport):
+    """The short error raised after an OOM: holds no frames of the failed run, and no context."""
+    from cuda_magic.units import format_bytes
+
+    cls = short_error_class()
+    reclaimed = sum(report.reclaimed.values())
+    what = f"{report.variable}={report.attempts[-1].value}: " if report.variable and report.attempts else ""
+    where = "call" if report.api else "cell"
+    keep_going = "" if report.api else ", the kernel can keep going"
+    return cls(f"{what}out of memory in this {where} (explained above; {format_bytes(reclaimed)} "
+               f"reclaimed{keep_going})")
+
+
+FREED_TB_NOTE = ("(the failed run's frames were freed to give the memory back: there is no traceback to "
+                 "show or debug; run the cell without the guard to step through it)")
+_short_cls = None
+
+
+def short_error_class():
+    global _short_cls
+    if _short_cls is None:
+        import torch
+
+        base = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError   # torch < 2.4
+
+        class OutOfMemoryError(base):
+            """Raised by `%%oomguard` after an out-of-memory error it cleaned up: holds nothing.
+            A subclass of torch.OutOfMemoryError, so `except torch.OutOfMemoryError` still catches it."""
+
+            frames_freed = True     # %debug and %tb say so (magics/freed.py)
+
+            def _render_traceback_(self):
+                lines = [f"OutOfMemoryError: {self}"]
+                shown = getattr(self, "_shown", 0)
+                self._shown = shown + 1
+                if shown:           # shown again: %tb
+                    lines.append(FREED_TB_NOTE)
+                return lines
+
+        OutOfMemoryError.__module__ = "cuda_magic"
+        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+        _short_cls = OutOfMemoryError
+    return _short_cls
