@@ -2,7 +2,7 @@
 
 While active, every tensor storage created in this thread counts against the device's capacity (views
 once, keyed by storage), freeing it gives the bytes back at once (a finalizer on the storage, no gc
-needed), and an allocation past the capacity raises `torch.OutOfMemoryError` with a CUDA-style message
+needed), and an allocation past the capacity raises torch's OutOfMemoryError (`devices.errors.oom_error_class`) with a CUDA-style message
 before the memory is really taken: each op's output sizes are first computed on the meta device.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ class SimulatedDevice:
             raise self.out_of_memory(needed)
 
     def out_of_memory(self, requested: int):
-        import torch
+        from cuda_magic.devices.errors import oom_error_class
 
         free = max(0, self.capacity - self.allocated)
         msg = (
@@ -171,7 +171,7 @@ class SimulatedDevice:
             f"{torch_size_text(self.allocated)} memory in use. Of the allocated memory "
             f"{torch_size_text(self.allocated)} is allocated by PyTorch, and 0 bytes is reserved by "
             "PyTorch but unallocated.")
-        return torch.OutOfMemoryError(msg)
+        return oom_error_class()(msg)
 
     def _track_outputs(self, out, fresh, lifted: bool) -> None:
         import torch

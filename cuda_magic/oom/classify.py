@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import sys
 
+from cuda_magic.devices.errors import oom_error_class
 from cuda_magic.oom.records import OomFields
 
 FATAL_NOTE = (
@@ -45,8 +46,8 @@ def _text(exc: BaseException) -> str:
 
 def _is_torch_oom_class(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")
-    oom_class = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if isinstance(oom_class, type) and isinstance(exc, oom_class):
+    oom_class = oom_error_class(torch) if torch is not None else None
+    if oom_class is not None and isinstance(exc, oom_class):
         return True
     return any(c.__name__ == "OutOfMemoryError" and (c.__module__ or "").split(".")[0] == "torch"
                for c in type(exc).__mro__)

@@ -182,11 +182,9 @@ _short_cls = None
 def short_error_class():
     global _short_cls
     if _short_cls is None:
-        import torch
+        from cuda_magic.devices.errors import oom_error_class
 
-        base = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError   # torch < 2.4
-
-        class OutOfMemoryError(base):
+        class OutOfMemoryError(oom_error_class()):
             """Raised by `%%oomguard` after an out-of-memory error it cleaned up: holds nothing.
             A subclass of torch.OutOfMemoryError, so `except torch.OutOfMemoryError` still catches it."""
 
