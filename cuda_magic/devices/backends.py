@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.probe import cuda_started, loaded_torch
+from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch
 from cuda_magic.devices.proc import meminfo, process_rss
 from cuda_magic.devices.records import DeviceMemory, ProcessMemory
 from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
@@ -30,18 +30,45 @@ def _has_context(torch, index: int) -> bool:
     return bool(probe(index)) if probe is not None else True
 
 
+def _nvml_for_torch(nvml, torch, count: int, notes: list[str]) -> list:
+    """NVML's record of each of torch's started CUDA devices, matched by UUID (torch 2.4+ reports it);
+    by CUDA_VISIBLE_DEVICES order where torch does not say. None where NVML has no match (a MIG instance)."""
+    from cuda_magic.devices.visible import torch_uuid
+
+    uuids = [torch_uuid(torch, i) for i in range(count)]
+    if None in uuids:
+        nv, map_notes = visible_nvml_devices(nvml)
+        notes.extend(map_notes)
+        nv = nv or []
+        return [nv[i] if i < len(nv) else None for i in range(count)]
+    by_uuid = {nvml.uuid(d.nvml_index): d for d in nvml.devices()}
+    return [by_uuid.get(u) for u in uuids]
+
+
 def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemory]]:
     nvml = get_nvml()
-    nv = visible_nvml_devices(nvml)
     torch = loaded_torch()
     initialized = cuda_started()
-    if not nv and nvml.failure and initialized:
-        notes.append(f"{nvml.failure}; figures come from torch alone")
-    count = torch.cuda.device_count() if initialized else len(nv)
+    if initialized:
+        count = int(torch.cuda.device_count())
+        nv = _nvml_for_torch(nvml, torch, count, notes)
+        if not any(nv) and nvml.failure:
+            notes.append(f"{nvml.failure}; figures come from torch alone")
+    else:
+        nv, map_notes = visible_nvml_devices(nvml)
+        notes.extend(map_notes)
+        if nv is None or (not nv and nvml.failure):
+            # NVML absent is not "no GPU": compute-only containers and ROCm have devices torch sees
+            count = cuda_device_count()
+            if count and nv is not None:
+                notes.append(f"{nvml.failure}: torch sees {count} GPU(s); their figures appear once torch "
+                             "uses them")
+            nv = [None] * count
+        count = len(nv)
     me = os.getpid()
     devices, processes = [], []
     for i in range(count):
-        info = nv[i] if i < len(nv) else None
+        info = nv[i]
         dnotes = list(info.notes) if info else []
         total = info.total if info else None
         free = info.free if info else None

@@ -71,6 +71,12 @@ class Nvml:
             self._started = False
             self._failed = None
 
+    def _errors(self) -> tuple:
+        """What a failed query raises: NVMLError, and (nvidia-ml-py 12.550.52+) NVMLLibraryMismatchError,
+        which is no NVMLError, raised when the bindings call a versioned function the driver lacks."""
+        mismatch = getattr(self._pynvml, "NVMLLibraryMismatchError", None)
+        return (self._pynvml.NVMLError,) + ((mismatch,) if isinstance(mismatch, type) else ())
+
     def query(self, fn_name: str, *args, default=None, notes: list | None = None, what: str = ""):
         """Call pynvml.<fn_name>(*args); on an NVML error return `default` and add a note."""
         fn = getattr(self._pynvml, fn_name, None)
@@ -80,13 +86,60 @@ class Nvml:
             return default
         try:
             return fn(*args)
-        except self._pynvml.NVMLError as exc:
+        except self._errors() as exc:
             if notes is not None:
                 notes.append(f"{what or fn_name} unavailable ({_reason(exc)})")
             return default
 
+    def memory(self, handle, notes: list) -> tuple[int | None, int | None, int | None]:
+        """(total, free, used) bytes as CUDA counts them.
+
+        NVML's v1 total includes the memory the driver reserves for itself, which CUDA's total leaves out
+        (hundreds of MiB on a large GPU): v2 (`nvmlDeviceGetMemoryInfo(handle, nvmlMemory_v2)`, driver
+        R510+) says how much that is, and total - reserved is CUDA's figure. v1 where the driver or the
+        bindings lack v2."""
+        version = getattr(self._pynvml, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                mem = self._pynvml.nvmlDeviceGetMemoryInfo(handle, version)
+                reserved = int(mem.reserved)
+            except self._errors() + (TypeError, AttributeError):
+                pass       # older driver or bindings: v1 below
+            else:
+                total, free = int(mem.total) - reserved, int(mem.free)
+                return total, free, total - free
+        mem = self.query("nvmlDeviceGetMemoryInfo", handle, notes=notes, what="memory")
+        if mem is None:
+            return None, None, None
+        return int(mem.total), int(mem.free), int(mem.used)
+
+    def process_list(self, fn_name: str, handle, notes: list) -> list | None:
+        """pynvml.<fn_name>(handle), the compute or graphics processes; None (and a note) where unknown.
+
+        The unversioned query calls the driver's `_v3` function. On a driver without it, nvidia-ml-py
+        12.550.52+ raises NVMLLibraryMismatchError (12.535 NVMLError_FunctionNotFound): the `_v2` query
+        answers there, where the bindings have it."""
+        fn = getattr(self._pynvml, fn_name, None)
+        if fn is None:
+            notes.append("process list: not in this NVML version")
+            return None
+        mismatch = tuple(c for c in (getattr(self._pynvml, "NVMLLibraryMismatchError", None),
+                                     getattr(self._pynvml, "NVMLError_FunctionNotFound", None))
+                         if isinstance(c, type))
+        try:
+            return fn(handle)
+        except mismatch:
+            if getattr(self._pynvml, f"{fn_name}_v2", None) is not None:
+                return self.query(f"{fn_name}_v2", handle, notes=notes, what="process list")
+            notes.append("process list unavailable: the NVML bindings (nvidia-ml-py) are newer than the "
+                         "driver; install the nvidia-ml-py release matching the driver")
+            return None
+        except self._errors() as exc:
+            notes.append(f"process list unavailable ({_reason(exc)})")
+            return None
+
     def devices(self) -> list[NvmlDevice]:
-        """Every GPU NVML sees, in NVML's order (not yet mapped through CUDA_VISIBLE_DEVICES)."""
+        """Every GPU NVML sees, in NVML's order (PCI bus order; not yet mapped to CUDA's)."""
         if not self.start():
             return []
         count = self.query("nvmlDeviceGetCount", default=0)
@@ -100,23 +153,24 @@ class Nvml:
             name = self.query("nvmlDeviceGetName", handle, default=f"GPU {i}", notes=notes, what="name")
             if isinstance(name, bytes):
                 name = name.decode(errors="replace")
-            mem = self.query("nvmlDeviceGetMemoryInfo", handle, notes=notes, what="memory")
-            total = free = used = None
-            if mem is not None:
-                total, free, used = int(mem.total), int(mem.free), int(mem.used)
+            total, free, used = self.memory(handle, notes)
             procs: dict[int, int | None] = {}
             known = True
             for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-                listed = self.query(fn, handle, notes=notes, what="process list")
+                listed = self.process_list(fn, handle, notes)
                 if listed is None:
                     known = False
                     continue
                 for p in listed:
                     used_p = getattr(p, "usedGpuMemory", None)
                     used_p = int(used_p) if isinstance(used_p, int) and used_p < 2**63 else None
-                    prev = procs.get(int(p.pid))
-                    procs[int(p.pid)] = used_p if prev is None else prev + (used_p or 0)
-            result.append(NvmlDevice(i, name, total, free, used, sorted(procs.items()), known, notes))
+                    pid = int(p.pid)
+                    # a process with a compute and a graphics context is listed in both, with the same
+                    # memory: one entry per pid
+                    prev = procs.get(pid)
+                    procs[pid] = used_p if prev is None else max(prev, used_p or 0)
+            result.append(NvmlDevice(i, name, total, free, used, sorted(procs.items()), known,
+                                     list(dict.fromkeys(notes))))
         return result
 
     def uuid(self, nvml_index: int) -> str | None:
@@ -144,27 +198,21 @@ def _reason(exc) -> str:
     return text.splitlines()[0]
 
 
-def visible_nvml_devices(nvml: Nvml) -> list[NvmlDevice]:
-    """NVML's devices in CUDA's order, as CUDA_VISIBLE_DEVICES makes them visible to this process."""
+def visible_nvml_devices(nvml: Nvml) -> tuple[list[NvmlDevice] | None, list[str]]:
+    """(NVML's devices in CUDA's order before torch starts CUDA, notes), CUDA_VISIBLE_DEVICES read by
+    torch's rules. None instead of the list where NVML cannot map them (MIG instances)."""
+    from cuda_magic.devices.visible import pci_order_known, visible_indices
+
     devices = nvml.devices()
-    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if spec is None:
-        return devices
-    picked = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            break
-        if item.lstrip("-").isdigit():
-            idx = int(item)
-            if idx < 0 or idx >= len(devices):
-                break  # CUDA stops at the first invalid entry
-            picked.append(devices[idx])
-            continue
-        match = [d for d in devices if (nvml.uuid(d.nvml_index) or "").startswith(item)]
-        if len(match) != 1:
-            break
-        picked.append(match[0])
-    return picked
+    indices, note = visible_indices(len(devices), nvml.uuid)
+    if indices is None:
+        return None, [note]
+    picked = [devices[i] for i in indices]
+    notes = [note] if note else []
+    if len({d.name for d in picked}) > 1 and not pci_order_known():
+        notes.append("CUDA numbers GPUs fastest first (CUDA_DEVICE_ORDER is not PCI_BUS_ID): until torch "
+                     "uses CUDA, which cuda:N is which GPU here follows NVML's PCI order and may differ")
+    return picked, notes
 
 
 _nvml = Nvml()
