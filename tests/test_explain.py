@@ -44,9 +44,10 @@ def test_merge_conf_overrides_in_place_appends_and_removes():
 def test_expandable_segments_line_keeps_other_options():
     assert expandable_segments_line("max_split_size_mb:128", setter=NEW_SETTER) == (
         'import torch; torch._C._accelerator_setAllocatorSettings('
-        '"max_split_size_mb:128,expandable_segments:True")')
+        '"max_split_size_mb:128,expandable_segments:True"); torch.cuda.empty_cache()')
     assert expandable_segments_line("", setter=OLD_SETTER) == (
-        'import torch; torch.cuda.memory._set_allocator_settings("expandable_segments:True")')
+        'import torch; torch.cuda.memory._set_allocator_settings("expandable_segments:True"); '
+        'torch.cuda.empty_cache()')
     line = expandable_segments_line("expandable_segments:False,garbage_collection_threshold:0.6",
                                     setter=NEW_SETTER)
     assert '("expandable_segments:True,garbage_collection_threshold:0.6")' in line
@@ -71,14 +72,23 @@ def test_the_pasted_line_really_sets_the_settings(restore_allocator_settings):
     assert runtime_allocator_conf() == torch._C._accelerator_getAllocatorSettings()
 
 
-def test_current_allocator_conf_reads_the_newer_variable_first(monkeypatch):
+def test_current_allocator_conf_reads_the_variables_in_torchs_order(monkeypatch):
+    # torch's own order (c10's AllocatorConfig): PYTORCH_CUDA_ALLOC_CONF, on ROCm PYTORCH_HIP_ALLOC_CONF,
+    # then PYTORCH_ALLOC_CONF
+    import torch
+
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     assert current_allocator_conf(runtime=False) == ""
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    assert current_allocator_conf(runtime=False) == "max_split_size_mb:64"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", " expandable_segments:True ")
     assert current_allocator_conf(runtime=False) == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_HIP_ALLOC_CONF", "max_split_size_mb:32")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert current_allocator_conf(runtime=False) == "expandable_segments:True"    # a CUDA build
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert current_allocator_conf(runtime=False) == "max_split_size_mb:32"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert current_allocator_conf(runtime=False) == "max_split_size_mb:64"
 
 
 def test_current_allocator_conf_sees_runtime_changes(restore_allocator_settings):
@@ -98,7 +108,7 @@ def test_enable_expandable_segments_says_why_it_cannot_without_cuda():
 def test_enable_expandable_segments_keeps_the_other_options(restore_allocator_settings, monkeypatch):
     torch = restore_allocator_settings
     # the allocator settings are shared by every backend: only the CUDA check needs standing in for
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     torch._C._accelerator_setAllocatorSettings("max_split_size_mb:512")
     said = enable_expandable_segments()
     assert torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:512,expandable_segments:True"

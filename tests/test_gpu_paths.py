@@ -245,3 +245,268 @@ def test_without_nvml_torchs_devices_are_shown(monkeypatch, fresh_nvml, ip, caps
     ip.run_line_magic("gpumem", "")
     out = capsys.readouterr().out
     assert "cuda:1" in out and "No GPU found" not in out and "Traceback" not in out
+
+
+# ------------------------------------------------------------------------------ -l on CUDA
+
+def test_cuda_cap_restores_the_fraction_in_force():
+    out = run_fresh('''
+        import warnings
+        from types import SimpleNamespace
+        import torch
+        from cuda_magic.devices.meter import CudaMeter
+
+        state = {"fraction": None}                  # the allocator's: None until someone sets one
+        def set_fraction(fraction, device=None):
+            state["fraction"] = fraction
+        torch.cuda.set_per_process_memory_fraction = set_fraction
+        torch.cuda.get_device_properties = lambda i: SimpleNamespace(total_memory=16 * 2**30)
+        torch.cuda.get_per_process_memory_fraction = lambda i=None: state["fraction"] or 1.0   # torch 2.6+
+
+        set_fraction(0.5)                           # the user's own cap
+        meter = CudaMeter(0)
+        with meter.running(4 * 2**30):
+            assert state["fraction"] == 0.25, state
+        assert state["fraction"] == 0.5, state      # put back exactly
+
+        del torch.cuda.get_per_process_memory_fraction   # torch 2.1 to 2.5: no getter
+        import cuda_magic.devices.meter as m
+        m._fractions_set.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with meter.running(4 * 2**30):
+                pass
+        assert state["fraction"] == 1.0
+        assert [w for w in caught if "cannot report the fraction" in str(w.message)], caught
+        set_fraction(1.0)
+        with warnings.catch_warnings(record=True) as caught:   # what cuda_magic set is known: no warning
+            warnings.simplefilter("always")
+            with meter.running(8 * 2**30):
+                assert state["fraction"] == 0.5
+        assert state["fraction"] == 1.0 and not caught, caught
+        print("ok")
+    ''')
+    assert out.strip().endswith("ok")
+
+
+# ---------------------------------------------------------------- nothing starts CUDA unasked
+
+def test_load_ext_gpumem_and_a_guarded_cell_start_no_cuda():
+    out = run_fresh('''
+        import torch
+        called = []
+        def record(name):
+            def fn(*a, **k):
+                called.append(name)
+                raise AssertionError(name + " would start CUDA")
+            return fn
+        for name in ("is_available", "get_device_properties", "set_per_process_memory_fraction",
+                     "mem_get_info", "get_device_name", "_lazy_init"):
+            setattr(torch.cuda, name, record(name))
+        torch.cuda.device_count = lambda: 1           # a GPU is there (NVML-based count)
+        from IPython.testing.globalipapp import get_ipython
+        ip = get_ipython()
+        ip.run_line_magic("load_ext", "cuda_magic")
+        ip.run_line_magic("gpumem", "")
+        ip.run_line_magic("gpumem", "--watch")
+        result = ip.run_cell("%%oomguard -q\\nimport torch\\nx = torch.ones(4) * 2")
+        assert result.success, result.error_in_exec
+        ip.run_cell("y = 1")
+        ip.run_line_magic("gpumem", "--unwatch")
+        assert not called, called
+        assert not torch.cuda.is_initialized()
+        print("ok")
+    ''')
+    assert out.strip().endswith("ok")
+
+
+# ------------------------------------------------------------------------- allocator settings
+
+def test_new_setter_is_named_from_torch_2_10():
+    out = run_fresh('''
+        import sys, importlib.metadata as md
+        from cuda_magic.devices import allocator_conf as ac
+        assert "torch" not in sys.modules
+        for v, want in (("2.9.1", ac.OLD_SETTER), ("2.10.0", ac.NEW_SETTER), ("2.1.2", ac.OLD_SETTER)):
+            md.version = lambda name, v=v: v
+            assert ac._setter_name() == want, (v, ac._setter_name())
+        print("ok")
+    ''')
+    assert out.strip().endswith("ok")
+
+
+def test_conf_in_force_keeps_expandable_segments_from_earlier_settings():
+    # the getter (torch 2.12+) returns the last string set; expandable_segments from the environment stays on
+    out = run_fresh('''
+        import torch
+        from cuda_magic.devices.allocator_conf import current_allocator_conf, expandable_segments_on
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128")
+        conf = current_allocator_conf()
+        assert expandable_segments_on(conf) and "max_split_size_mb:128" in conf, conf
+        print("ok")
+    ''', env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.6"})
+    assert out.strip().endswith("ok")
+
+
+def test_a_build_that_ignores_expandable_segments_is_not_reported_on(monkeypatch):
+    import warnings
+
+    import torch
+
+    from cuda_magic.devices import allocator_conf
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    before = torch._C._accelerator_getAllocatorSettings()
+    set_to = []
+
+    def windows_setter(text):
+        set_to.append(text)
+        warnings.warn("expandable_segments not supported on this platform")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", windows_setter)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")
+    with pytest.raises(RuntimeError, match="ignores it"):
+        allocator_conf.enable_expandable_segments()
+    assert set_to == ["expandable_segments:True"]
+    assert allocator_conf._set_here is None
+    monkeypatch.undo()
+    assert torch._C._accelerator_getAllocatorSettings() == before
+
+
+def test_switching_expandable_segments_on_advises_empty_cache(monkeypatch):
+    import torch
+
+    from cuda_magic.devices.allocator_conf import enable_expandable_segments, expandable_segments_line
+
+    before = torch._C._accelerator_getAllocatorSettings()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    try:
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:256")
+        assert "torch.cuda.empty_cache()" in enable_expandable_segments()
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)
+    assert expandable_segments_line("").endswith("; torch.cuda.empty_cache()")
+
+
+# ----------------------------------------------------------------------------- XPU and MPS
+
+def test_torch_2_4_xpu_without_memory_reserved(monkeypatch, tip, capsys):
+    import torch
+
+    from cuda_magic.devices import probe
+
+    xpu = torch.xpu
+    monkeypatch.delattr(xpu, "memory_reserved")         # torch 2.4: torch.xpu without allocator counters
+    monkeypatch.setattr(xpu, "is_initialized", lambda: True)
+    monkeypatch.setattr(xpu, "device_count", lambda: 1)
+    monkeypatch.setattr(xpu, "empty_cache", lambda: None)
+    monkeypatch.setattr(probe, "_gpu", None)
+    tip.run_cell("scratch_xpu = torch.ones(1024)")
+    capsys.readouterr()
+    report = tip.run_line_magic("freecuda", "scratch_xpu -q -o")
+    assert report is not None and "scratch_xpu" not in tip.user_ns
+    monkeypatch.setattr(probe, "_gpu", None)
+
+
+def _fake_mps(monkeypatch, *, recommended=True):
+    import torch
+
+    from cuda_magic.devices import probe
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is in use here")
+    state = {"allocated": 100 * MiB, "driver": 300 * MiB, "fractions": []}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: state["allocated"])
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: state["driver"])
+    monkeypatch.setattr(torch.mps, "set_per_process_memory_fraction", state["fractions"].append)
+    monkeypatch.setattr(torch.mps, "empty_cache", lambda: None)
+    if recommended:
+        monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 8 * GiB, raising=False)
+    else:
+        monkeypatch.delattr(torch.mps, "recommended_max_memory", raising=False)
+    monkeypatch.setattr(probe, "_gpu", None)
+    return state
+
+
+def test_a_guarded_run_on_mps_is_metered_on_mps(monkeypatch):
+    from cuda_magic.devices.meter import choose_meter
+    from cuda_magic.recover.engine import GuardEngine, autocast
+    from cuda_magic.recover.report import Outcome
+    from cuda_magic.units import parse_size
+
+    state = _fake_mps(monkeypatch)
+    monkeypatch.delenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", raising=False)
+    meter, limit = choose_meter(None, "2GiB", lambda text, cap: parse_size(text, cap))
+    assert meter.key == "mps" and meter.device_type == "mps"
+    assert limit == 2 * GiB
+    assert autocast("bf16", meter).device == "mps"
+
+    def cell():
+        state["allocated"] += 500 * MiB
+
+    attempt = GuardEngine(meter, limit=limit).run_once(cell).attempt
+    assert attempt.outcome is Outcome.OK
+    assert attempt.start_allocated == 100 * MiB and attempt.peak == 600 * MiB
+    assert state["fractions"] == [0.25, 1.7]               # the cap, then torch's default ratio back
+    meter2, _ = choose_meter(None, None, None)
+    assert meter2.key == "mps"
+
+
+def test_mps_before_torch_2_5_caps_through_a_simulated_device(monkeypatch):
+    from cuda_magic.devices.meter import SimMeter, choose_meter
+    from cuda_magic.units import parse_size
+
+    _fake_mps(monkeypatch, recommended=False)
+    meter, _ = choose_meter(None, "1GiB", lambda text, cap: parse_size(text, cap))
+    assert isinstance(meter, SimMeter)
+
+
+# ------------------------------------------------------------------ --watch: the first CUDA cell
+
+def test_watch_records_the_cell_that_starts_cuda_as_a_cuda_cell():
+    out = run_fresh('''
+        import torch
+        state = {"started": False}
+        torch.cuda.is_initialized = lambda: state["started"]
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.memory_allocated = lambda i=None: 300 if state["started"] else 0
+        torch.cuda.max_memory_allocated = lambda i=None: 700 if state["started"] else 0
+        torch.cuda.reset_peak_memory_stats = lambda i=None: None
+        from IPython.testing.globalipapp import get_ipython
+        ip = get_ipython()
+        ip.user_ns["state"] = state
+        ip.run_line_magic("load_ext", "cuda_magic")
+        ip.run_line_magic("gpumem", "--watch -q")
+        ip.run_cell("state['started'] = True")     # this cell starts CUDA
+        rows = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")
+        ip.run_line_magic("gpumem", "--unwatch")
+        row = rows[-1]
+        assert (row["device"], row["allocated_delta"], row["peak"], bool(row["peak_exact"])) == (
+            "cuda:0", 300, 700, True), rows
+        print("ok")
+    ''')
+    assert out.strip().endswith("ok")
+
+
+# ------------------------------------------------------------------ notes on Python 3.10
+
+def test_the_fatal_note_is_printed_where_python_has_no_add_note(tip, capsys):
+    # Python 3.10's exceptions have no add_note: the note would be lost
+    class NoNotes(RuntimeError):
+        def __getattribute__(self, name):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    tip.user_ns["NoNotes"] = NoNotes
+    capsys.readouterr()
+    tip.run_cell("%%oomguard -q\nraise NoNotes('CUDA error: device-side assert triggered')")
+    err = capsys.readouterr().err
+    assert "not an out-of-memory error" in err
+    tip.run_line_magic("oomguard", "on")
+    capsys.readouterr()
+    tip.run_cell("raise NoNotes('CUDA error: an illegal memory access was encountered')")
+    assert "not an out-of-memory error" in capsys.readouterr().err
+    tip.run_line_magic("oomguard", "off")

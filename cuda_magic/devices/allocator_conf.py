@@ -1,10 +1,15 @@
 """The caching allocator's settings ("key:value,key:value"), and switching expandable_segments on.
 
-torch reads PYTORCH_ALLOC_CONF (torch 2.9+; before it PYTORCH_CUDA_ALLOC_CONF, on ROCm also
-PYTORCH_HIP_ALLOC_CONF) once, at start-up. At runtime the settings can be changed with
-`torch._C._accelerator_setAllocatorSettings` (torch 2.9+) or `torch.cuda.memory._set_allocator_settings`
-(older, deprecated since): each call resets every option it does not name, so a line that switches on
-expandable_segments must repeat the options already in force.
+torch reads them once, at start-up, from the first of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF (ROCm
+builds) and PYTORCH_ALLOC_CONF (torch 2.9+) that is set. At runtime they can be changed with
+`torch._C._accelerator_setAllocatorSettings` (torch 2.10+) or `torch.cuda.memory._set_allocator_settings`
+(older, deprecated since): each call resets the options it does not name, except expandable_segments, which
+keeps its value; so a line that switches on expandable_segments must repeat the options already in force.
+The getter `torch._C._accelerator_getAllocatorSettings` (torch 2.12+) returns the last string set (the
+environment's at start), not the state in force: expandable_segments from an earlier string is added back.
+Switching expandable_segments on changes only segments reserved afterwards: `torch.cuda.empty_cache()`
+returns the cached ones, so that later reservations use the new kind. Builds without the driver API it
+needs (Windows) ignore the setting with a warning.
 """
 from __future__ import annotations
 
@@ -13,20 +18,38 @@ import os
 import sys
 
 #: Environment variables torch reads its allocator settings from, in the order it looks at them.
-ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+_set_here: str | None = None    # the settings enable_expandable_segments last set in this process
 NEW_SETTER = "torch._C._accelerator_setAllocatorSettings"
 OLD_SETTER = "torch.cuda.memory._set_allocator_settings"
 
 
 def current_allocator_conf(*, runtime: bool = True) -> str:
-    """The allocator settings in force: what torch's allocator reports where torch is imported and
-    can say (that includes changes made at runtime), else the first of ENV_VARS that is set, else ''.
+    """The allocator settings in force: the last settings string set at runtime where torch says (2.12+)
+    or cuda_magic set one, else the environment's (the first of ENV_VARS that is set), else ''; with
+    expandable_segments carried over from earlier settings where the last string does not name it.
     runtime=False: the environment only."""
-    if runtime:
-        now = runtime_allocator_conf()
-        if now is not None:
-            return now
+    env = env_allocator_conf()
+    if not runtime:
+        return env
+    last = runtime_allocator_conf()
+    if last is None:
+        last = _set_here if _set_here is not None else env
+    if conf_value(last, "expandable_segments") is None:
+        for earlier in (_set_here, env):
+            value = conf_value(earlier or "", "expandable_segments")
+            if value is not None:
+                return merge_conf(last, expandable_segments=value)
+    return last
+
+
+def env_allocator_conf() -> str:
+    """The settings torch read from the environment at start-up ('' where none is set)."""
+    hip = getattr(getattr(sys.modules.get("torch"), "version", None), "hip", "unknown")
     for name in ENV_VARS:
+        if name == "PYTORCH_HIP_ALLOC_CONF" and hip is None:
+            continue            # a CUDA build of torch does not read it
         value = os.environ.get(name)
         if value is not None:
             return value.strip()
@@ -115,7 +138,7 @@ def _setter_name() -> str:
         major, minor = (int(x) for x in version("torch").split(".")[:2])
     except Exception:  # not installed, or a version string we cannot read: assume a current torch
         return NEW_SETTER
-    return NEW_SETTER if (major, minor) >= (2, 9) else OLD_SETTER
+    return NEW_SETTER if (major, minor) >= (2, 10) else OLD_SETTER
 
 
 def expandable_segments_line(conf: str | None = None, *, setter: str | None = None) -> str:
@@ -124,29 +147,37 @@ def expandable_segments_line(conf: str | None = None, *, setter: str | None = No
     `conf`: the settings in force (default: the runtime settings where torch says, else the
     environment's). `setter`: NEW_SETTER or OLD_SETTER (default: the one the installed torch has).
 
+    Ends with torch.cuda.empty_cache(): segments reserved before stay as they were until returned.
+
     >>> expandable_segments_line("max_split_size_mb:128", setter=NEW_SETTER)
-    'import torch; torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128,expandable_segments:True")'
+    'import torch; torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128,expandable_segments:True"); torch.cuda.empty_cache()'
     """
     if conf is None:
         conf = current_allocator_conf()
     new = merge_conf(conf, expandable_segments=True)
-    return f"import torch; {setter or _setter_name()}({json.dumps(new)})"
+    return f"import torch; {setter or _setter_name()}({json.dumps(new)}); torch.cuda.empty_cache()"
 
 
 def enable_expandable_segments() -> str:
     """Switch expandable_segments on for this process now, keeping the other allocator options.
 
     Returns a sentence saying what it did. Raises RuntimeError saying why where it cannot: no CUDA
-    device, or the cudaMallocAsync backend (which has no expandable segments).
+    device, the cudaMallocAsync backend (which has no expandable segments), or a build that ignores it.
     """
+    global _set_here
     import torch
 
-    if not torch.cuda.is_available():
+    from cuda_magic.devices.probe import cuda_device_count, cuda_started
+
+    if not (cuda_started() or cuda_device_count() > 0):   # not is_available(): it initialises the driver
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
         raise RuntimeError(
             f"cannot switch on expandable_segments: no CUDA device is available (torch "
             f"{torch.__version__}, {build}). It is an option of the CUDA caching allocator; the CPU, "
             "MPS and the simulated device have nothing to switch.")
+    if sys.platform == "win32":
+        raise RuntimeError("cannot switch on expandable_segments: torch's Windows builds do not support "
+                           "it (they ignore the setting with a warning)")
     conf = current_allocator_conf()
     if (conf_value(conf, "backend") or "native").lower() != "native":
         raise RuntimeError(
@@ -158,15 +189,24 @@ def enable_expandable_segments() -> str:
         return f"expandable_segments is already on (allocator settings {conf!r}); nothing changed."
     new = merge_conf(conf, expandable_segments=True)
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:
-        import warnings
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if setter is None:
             torch.cuda.memory._set_allocator_settings(new)
-    else:
-        setter(new)
+        else:
+            setter(new)
+    ignored = [str(w.message) for w in said
+               if "expandable_segments" in str(w.message) and "not supported" in str(w.message)]
+    for w in said:
+        if str(w.message) not in ignored and not issubclass(w.category, FutureWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if ignored:
+        raise RuntimeError(f"cannot switch on expandable_segments: this build ignores it ({ignored[0]})")
+    _set_here = new
     env_var = "PYTORCH_ALLOC_CONF" if setter is not None else "PYTORCH_CUDA_ALLOC_CONF"
     return (f"expandable_segments switched on for this session (allocator settings now {new!r}). It "
-            f"applies to memory PyTorch reserves from now on; to have it from the start, set "
-            f"{env_var}={new} before starting Python.")
+            f"applies to memory PyTorch reserves from now on: torch.cuda.empty_cache() returns the cached "
+            f"segments, reserved the old way, so that later ones are expandable. To have it from the "
+            f"start, set {env_var}={new} before starting Python.")

@@ -133,6 +133,27 @@ def mps_device() -> DeviceMemory | None:
                         notes=["MPS keeps no peak counter; other processes share unified memory"])
 
 
+def xpu_devices() -> list[DeviceMemory]:
+    """Intel XPUs torch has started, from its allocator counters (torch 2.5+). None listed before torch
+    uses them: reading their properties would start the runtime."""
+    torch = loaded_torch()
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not hasattr(xpu, "memory_reserved") or not getattr(xpu, "is_initialized", lambda: False)():
+        return []
+    devices = []
+    for i in range(int(xpu.device_count())):
+        props = xpu.get_device_properties(i)
+        allocated, reserved = int(xpu.memory_allocated(i)), int(xpu.memory_reserved(i))
+        capacity = int(props.total_memory)
+        devices.append(DeviceMemory(key=f"xpu:{i}", name=str(getattr(props, "name", f"XPU {i}")), kind="xpu",
+                                    capacity=capacity, torch_allocated=allocated,
+                                    torch_cached=reserved - allocated, other_this_process=None,
+                                    other_processes=None, free=None,
+                                    peak=int(xpu.max_memory_allocated(i)),
+                                    notes=["XPU: other processes' memory is not known here"]))
+    return devices
+
+
 def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
     info = meminfo()
     total, available = info.get("MemTotal"), info.get("MemAvailable")
@@ -167,7 +188,9 @@ def read_devices(*, cpu_tensor_bytes: int | None = None) -> DeviceReading:
     mps = mps_device()
     if mps is not None:
         reading.devices.append(mps)
-    reading.gpu_present = bool(cuda or mps)
+    xpus = xpu_devices()
+    reading.devices.extend(xpus)
+    reading.gpu_present = bool(cuda or mps or xpus)
     if not reading.gpu_present:
         nvml_failure = get_nvml().failure
         why = f" ({nvml_failure})" if nvml_failure else ""

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 
 class SimMeter:
+    device_type = "cpu"       # its tensors are CPU tensors
+
     def __init__(self, device, temporary: bool = False):
         self.device = device
         self.temporary = temporary    # made for this run by -l: started and stopped around it
@@ -39,7 +41,14 @@ class SimMeter:
             yield
 
 
+#: The memory fraction cuda_magic last set per device key: torch before 2.6 has no getter, so a later `-l`
+#: restores this rather than guessing.
+_fractions_set: dict[str, float] = {}
+
+
 class CudaMeter:
+    device_type = "cuda"      # for torch.autocast
+
     def __init__(self, index: int):
         import torch
 
@@ -57,6 +66,7 @@ class CudaMeter:
         return int(self.torch.cuda.memory_reserved(self.index)) if self._ready() else 0
 
     def capacity(self) -> int:
+        """The device's total memory. Reads device properties, which start CUDA: only for `-l`."""
         return int(self.torch.cuda.get_device_properties(self.index).total_memory)
 
     def reset_peak(self) -> None:
@@ -68,23 +78,141 @@ class CudaMeter:
 
     @contextmanager
     def running(self, limit: int | None = None):
+        """Cap everything PyTorch reserves on the device (what the notebook already holds included) at
+        `limit` bytes for the run, through the allocator's memory fraction; then put back the fraction
+        that was in force: torch's getter (2.6+), else the one cuda_magic last set, else 1.0 (torch
+        before 2.6 cannot say whether the user set one: a warning says so)."""
         if limit is None:
             yield
             return
         cuda = self.torch.cuda
         getter = getattr(cuda, "get_per_process_memory_fraction", None)
-        old = getter(self.index) if getter is not None else 1.0
-        cuda.set_per_process_memory_fraction(min(1.0, limit / self.capacity()), self.index)
+        old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key)
+        fraction = min(1.0, limit / self.capacity())
+        cuda.set_per_process_memory_fraction(fraction, self.index)
+        _fractions_set[self.key] = fraction
         try:
             yield
         finally:
-            cuda.set_per_process_memory_fraction(old, self.index)
+            restore = 1.0 if old is None else old
+            cuda.set_per_process_memory_fraction(restore, self.index)
+            _fractions_set[self.key] = restore
+            if old is None:
+                import warnings
+
+                warnings.warn(f"cuda_magic: -l restored {self.key}'s memory fraction to 1.0: torch "
+                              f"{self.torch.__version__} cannot report the fraction in force before, so "
+                              "one set with torch.cuda.set_per_process_memory_fraction must be set again",
+                              RuntimeWarning, stacklevel=2)
+
+
+#: torch's MPS high-watermark ratio when PYTORCH_MPS_HIGH_WATERMARK_RATIO is not set.
+MPS_DEFAULT_RATIO = 1.7
+
+
+class MpsMeter:
+    """Apple's MPS: torch.mps's counters. There is no peak counter: the peak is the highest figure read
+    at the run's start and end, marked approximate."""
+
+    key = "mps"
+    device_type = "mps"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self._peak = 0
+
+    def allocated(self) -> int:
+        return int(self.torch.mps.current_allocated_memory())
+
+    def reserved(self) -> int:
+        return int(self.torch.mps.driver_allocated_memory())
+
+    def capacity(self) -> int | None:
+        """Metal's recommended working-set size (torch 2.5+), the base of the memory fraction."""
+        getter = getattr(self.torch.mps, "recommended_max_memory", None)
+        return int(getter()) if getter is not None else None
+
+    def reset_peak(self) -> None:
+        self._peak = self.allocated()
+
+    def peak(self) -> int:
+        self._peak = max(self._peak, self.allocated())
+        return self._peak
+
+    @contextmanager
+    def running(self, limit: int | None = None):
+        """`-l` through torch.mps.set_per_process_memory_fraction (a fraction of the recommended size,
+        0 to 2); restored to what cuda_magic last set, else the environment's or torch's default ratio."""
+        if limit is None:
+            yield
+            return
+        import os
+
+        mps = self.torch.mps
+        old = _fractions_set.get(self.key)
+        if old is None:
+            old = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", MPS_DEFAULT_RATIO))
+        fraction = min(2.0, limit / self.capacity())
+        mps.set_per_process_memory_fraction(fraction)
+        _fractions_set[self.key] = fraction
+        try:
+            yield
+        finally:
+            mps.set_per_process_memory_fraction(old)
+            _fractions_set[self.key] = old
+
+
+class XpuMeter:
+    """Intel XPU: torch.xpu's allocator counters (torch 2.5+)."""
+
+    device_type = "xpu"
+
+    def __init__(self, index: int):
+        import torch
+
+        self.xpu = torch.xpu
+        self.index = index
+        self.key = f"xpu:{index}"
+
+    def allocated(self) -> int:
+        return int(self.xpu.memory_allocated(self.index))
+
+    def reserved(self) -> int:
+        return int(self.xpu.memory_reserved(self.index))
+
+    def capacity(self) -> int:
+        return int(self.xpu.get_device_properties(self.index).total_memory)
+
+    def reset_peak(self) -> None:
+        self.xpu.reset_peak_memory_stats(self.index)
+
+    def peak(self) -> int:
+        return int(self.xpu.max_memory_allocated(self.index))
+
+    @contextmanager
+    def running(self, limit: int | None = None):
+        if limit is None:
+            yield
+            return
+        getter = getattr(self.xpu, "get_per_process_memory_fraction", None)
+        old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key, 1.0)
+        fraction = min(1.0, limit / self.capacity())
+        self.xpu.set_per_process_memory_fraction(fraction, self.index)
+        _fractions_set[self.key] = fraction
+        try:
+            yield
+        finally:
+            self.xpu.set_per_process_memory_fraction(old, self.index)
+            _fractions_set[self.key] = old
 
 
 class CpuMeter:
     """The process's resident memory: approximate, since Python and the allocator keep pages."""
 
     key = "cpu"
+    device_type = "cpu"
 
     def __init__(self):
         from cuda_magic.devices.proc import shared_reader
@@ -119,21 +247,34 @@ def available_memory() -> int | None:
 
 
 def cuda_usable() -> bool:
+    """Whether torch has a CUDA (or ROCm) device, asked without initialising the driver (no
+    `is_available()`: a later fork would be unsafe)."""
+    from cuda_magic.devices.probe import cuda_device_count, cuda_started
+
+    return cuda_started() or cuda_device_count() > 0
+
+
+def mps_usable() -> bool:
     torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
+    mps = getattr(getattr(torch, "backends", None), "mps", None)
+    return mps is not None and bool(mps.is_available()) and hasattr(getattr(torch, "mps", None),
+                                                                       "current_allocated_memory")
+
+
+def xpu_usable() -> bool:
+    """An XPU whose allocator torch can read (torch.xpu.memory_reserved and the rest are 2.5+)."""
+    xpu = getattr(sys.modules.get("torch"), "xpu", None)
+    return (xpu is not None and hasattr(xpu, "memory_reserved") and hasattr(xpu, "is_available")
+            and bool(xpu.is_available()))
 
 
 def choose_meter(device: str | None = None, limit_text: str | None = None, parse_limit=None):
     """(meter, limit bytes) for a guarded run.
 
-    The session's simulated device when one is on; else CUDA when torch can use it; else, with a `-l`
-    cap, a simulated device made for this run (so that the same cell runs out of memory on a CPU-only
-    machine as on a small GPU); else the CPU. `parse_limit(text, capacity)` turns the cap into bytes.
+    The session's simulated device when one is on; else CUDA (or ROCm) where torch has a device; else
+    MPS; else an XPU; else, with a `-l` cap, a simulated device made for this run (so that the same cell
+    runs out of memory on a CPU-only machine as on a small GPU); else the CPU. `parse_limit(text,
+    capacity)` turns the cap into bytes.
     """
     from cuda_magic.devices.simulated import SimulatedDevice, active_device
 
@@ -141,12 +282,23 @@ def choose_meter(device: str | None = None, limit_text: str | None = None, parse
     if sim is not None and device in (None, "sim", "sim:0", "0"):
         limit = parse_limit(limit_text, sim.capacity) if limit_text else None
         return SimMeter(sim), limit
-    if cuda_usable() and device not in ("cpu", "sim"):
+    text = str(device or "")
+    if device not in ("cpu", "sim") and not text.startswith(("mps", "xpu")) and cuda_usable():
         torch = sys.modules["torch"]
-        index = _cuda_index(device, torch)
-        meter = CudaMeter(index)
+        meter = CudaMeter(_cuda_index(device, torch))
         limit = parse_limit(limit_text, meter.capacity()) if limit_text else None
         return meter, limit
+    if device in (None, "mps") and mps_usable():
+        meter = MpsMeter()
+        capacity = meter.capacity()
+        if not limit_text or capacity is not None:
+            return meter, parse_limit(limit_text, capacity) if limit_text else None
+        # torch before 2.5 cannot say the size a fraction is of: the cap is simulated below
+    elif (device is None or text.startswith("xpu")) and xpu_usable():
+        index = int(text.split(":")[-1]) if text.split(":")[-1].isdigit() else 0
+        meter = XpuMeter(index)
+        if not limit_text or hasattr(meter.xpu, "set_per_process_memory_fraction"):
+            return meter, parse_limit(limit_text, meter.capacity()) if limit_text else None
     if limit_text:
         limit = parse_limit(limit_text, available_memory())
         return SimMeter(SimulatedDevice(limit), temporary=True), None

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from cuda_magic.devices.probe import cuda_started
 from cuda_magic.devices.proc import ProcReader
 from cuda_magic.memory.records import CellRecord
 from cuda_magic.devices.simulated import active_device
@@ -90,7 +91,11 @@ class CellWatcher:
                 if dev is None:
                     return
                 after, peak, exact, key = dev.allocated, dev.peak, True, dev.key
-            elif kind == "cuda":
+            elif kind == "cuda" or cuda_started():
+                # a cell that starts CUDA is a CUDA cell: it began with nothing allocated there, and the
+                # peak counters count from CUDA's start, inside this cell
+                if kind != "cuda":
+                    before = 0
                 torch = sys.modules["torch"]
                 i = torch.cuda.current_device()
                 after = torch.cuda.memory_allocated(i)

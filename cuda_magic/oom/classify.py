@@ -37,6 +37,16 @@ _POSSIBLE_RE = re.compile(r"CUDNN_STATUS_NOT_SUPPORTED", re.I)
 CHAIN_LIMIT = 256     # exceptions followed along one chain (a retry loop chains one per failure)
 
 
+def attach_note(exc: BaseException, note: str) -> None:
+    """Add `note` to the exception's traceback (PEP 678, Python 3.11+); on Python 3.10, which has no
+    notes (its tracebacks would drop one silently), print it to stderr now instead."""
+    add = getattr(exc, "add_note", None)
+    if callable(add):
+        add(note)
+    else:
+        print(note, file=sys.stderr)
+
+
 def _text(exc: BaseException) -> str:
     try:
         return str(exc)

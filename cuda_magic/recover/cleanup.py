@@ -46,7 +46,8 @@ def _device_usage() -> dict[str, int]:
         for i in range(torch.cuda.device_count()):
             usage[f"cuda:{i}"] = torch.cuda.memory_reserved(i)
     xpu = getattr(torch, "xpu", None)
-    if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
+    # torch.xpu.memory_reserved is torch 2.5+ (2.4 has torch.xpu without its allocator counters)
+    if xpu is not None and hasattr(xpu, "memory_reserved") and getattr(xpu, "is_initialized", lambda: False)():
         for i in range(xpu.device_count()):
             usage[f"xpu:{i}"] = xpu.memory_reserved(i)
     mps = getattr(torch, "mps", None)

@@ -42,7 +42,7 @@ def autocast(amp: str | None, meter):
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-    device_type = "cuda" if meter.key.startswith("cuda") else "cpu"
+    device_type = meter.device_type   # cuda, mps, xpu; cpu for the CPU and the simulated device
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 

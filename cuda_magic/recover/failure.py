@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from cuda_magic.oom.classify import FATAL_NOTE, oom_fields, oom_kind
+from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
 from cuda_magic.oom.records import OomFields
 from cuda_magic.paths import is_library_file
 from cuda_magic.recover.cleanup import empty_caches, shared_holders
@@ -49,8 +49,8 @@ def kind_of(exc: BaseException) -> Outcome:
 
 def add_fatal_note(exc: BaseException) -> None:
     notes = getattr(exc, "__notes__", None) or []
-    if hasattr(exc, "add_note") and FATAL_NOTE not in notes:
-        exc.add_note(FATAL_NOTE)
+    if FATAL_NOTE not in notes:
+        attach_note(exc, FATAL_NOTE)     # printed on Python 3.10, which has no notes
 
 
 def error_text(exc: BaseException) -> str:
