@@ -356,6 +356,7 @@ def test_a_build_that_ignores_expandable_segments_is_not_reported_on(monkeypatch
     from cuda_magic.devices import allocator_conf
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(allocator_conf, "_set_here", None)    # whatever earlier tests switched on
     before = torch._C._accelerator_getAllocatorSettings()
     set_to = []
 
@@ -376,12 +377,14 @@ def test_a_build_that_ignores_expandable_segments_is_not_reported_on(monkeypatch
 def test_switching_expandable_segments_on_advises_empty_cache(monkeypatch):
     import torch
 
+    from cuda_magic.devices import allocator_conf
     from cuda_magic.devices.allocator_conf import enable_expandable_segments, expandable_segments_line
 
     before = torch._C._accelerator_getAllocatorSettings()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(allocator_conf, "_set_here", None)
     try:
-        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:256")
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:256,expandable_segments:False")
         assert "torch.cuda.empty_cache()" in enable_expandable_segments()
     finally:
         torch._C._accelerator_setAllocatorSettings(before)
