@@ -436,7 +436,7 @@ def _fake_mps(monkeypatch, *, recommended=True):
 def test_a_guarded_run_on_mps_is_metered_on_mps(monkeypatch):
     from cuda_magic.devices.meter import choose_meter
     from cuda_magic.recover.engine import GuardEngine, autocast
-    from cuda_magic.recover.report import Outcome
+    from cuda_magic.recover.report import GuardReport, Outcome
     from cuda_magic.units import parse_size
 
     state = _fake_mps(monkeypatch)
@@ -449,7 +449,9 @@ def test_a_guarded_run_on_mps_is_metered_on_mps(monkeypatch):
     def cell():
         state["allocated"] += 500 * MiB
 
-    attempt = GuardEngine(meter, limit=limit).run_once(cell).attempt
+    report = GuardReport(device=meter.key)
+    GuardEngine(meter, limit=limit).run(cell, report)
+    attempt, = report.attempts
     assert attempt.outcome is Outcome.OK
     assert attempt.start_allocated == 100 * MiB and attempt.peak == 600 * MiB
     assert state["fractions"] == [0.25, 1.7]               # the cap, then torch's default ratio back
