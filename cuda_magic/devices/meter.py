@@ -13,6 +13,8 @@ class SimMeter:
         self.device = device
         self.temporary = temporary    # made for this run by -l: started and stopped around it
         self.key = device.key
+        if temporary:                 # what exists counts against the cap, as on a GPU
+            device.count_existing()
 
     def allocated(self) -> int:
         return self.device.allocated
@@ -32,6 +34,7 @@ class SimMeter:
     @contextmanager
     def running(self, limit: int | None = None):
         if self.temporary:
+            self.device.count_existing()   # made between runs (restored state) counts too
             with self.device:
                 yield
         elif limit is not None:

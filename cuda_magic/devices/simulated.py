@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from cuda_magic.devices.records import DeviceMemory
 
 _session: SimulatedDevice | None = None   # the device `%gpumem --simulate` turned on, if any
+_host_only: set[int] = set()              # storages kept in host memory on purpose: never counted
 _mode_class = None
 
 
@@ -208,6 +209,36 @@ class SimulatedDevice:
             self._finalizers.pop(key, None)
             self.allocated -= nbytes
 
+    def count_existing(self) -> int:
+        """Count the CPU tensor storages that already exist (a gc scan), as a GPU counts what the notebook
+        already holds: `-l` without CUDA then caps the whole, not only the cell's increase. Storages marked
+        `host_only` (copies kept in host memory) are left out. Returns the bytes added."""
+        import gc
+
+        import torch
+
+        added = 0
+        for obj in gc.get_objects():
+            if not issubclass(type(obj), torch.Tensor):
+                continue
+            try:
+                if obj.device.type != "cpu" or obj.is_sparse:
+                    continue
+                storage = obj.untyped_storage()
+                key, nbytes = storage._cdata, storage.nbytes()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            with self._lock:
+                if key in self._live or key in _host_only or not nbytes:
+                    continue
+                self._live[key] = nbytes
+                self.allocated += nbytes
+                self._finalizers[key] = weakref.finalize(storage, self._release, key)
+                added += nbytes
+        with self._lock:
+            self.peak = max(self.peak, self.allocated)
+        return added
+
     def tracks(self, tensor) -> bool:
         """Whether this device counts the storage under `tensor`."""
         return tensor.untyped_storage()._cdata in self._live
@@ -244,6 +275,14 @@ def simulated_device(capacity, *, index: int = 0):
     dev = SimulatedDevice(nbytes, index=index)
     with dev:
         yield dev
+
+
+def mark_host_only(tensor) -> None:
+    """A copy kept in host memory (a rollback's saved state): no simulated device counts its storage."""
+    storage = tensor.untyped_storage()
+    key = storage._cdata
+    _host_only.add(key)
+    weakref.finalize(storage, _host_only.discard, key)
 
 
 def active_device() -> SimulatedDevice | None:

@@ -117,6 +117,14 @@ class GuardEngine:
         """Returns (value of the run that stands, exception to pass through or None)."""
         __tracebackhide__ = True  # noqa: F841
         self.report = report
+        capacity = capacity_of(self.meter)
+        if self.limit is not None and capacity is not None and self.limit > capacity:
+            from cuda_magic.units import format_bytes
+
+            note = (f"the cap {format_bytes(self.limit)} is above the device's capacity "
+                    f"({format_bytes(capacity)}): the capacity is the limit")
+            report.warnings.append(note)
+            self.on_note(note)
         if self.retry is None:
             try:
                 result = self.run_once(call)

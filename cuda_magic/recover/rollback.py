@@ -206,7 +206,11 @@ def _tensors_in(tree):
 
 
 def _host_copy(t):
-    return t.detach().to("cpu", copy=True)
+    from cuda_magic.devices.simulated import mark_host_only
+
+    copy_ = t.detach().to("cpu", copy=True)
+    mark_host_only(copy_)
+    return copy_
 
 
 def _to_host(tree):
@@ -281,8 +285,11 @@ def rng_state() -> dict:
         state["numpy"] = numpy.random.get_state()
     torch = loaded_torch()
     if torch is not None:
+        from cuda_magic.devices.simulated import mark_host_only
+
         with _uncounted():
             state["torch"] = torch.get_rng_state()
+            mark_host_only(state["torch"])
             if torch.cuda.is_initialized():
                 state["cuda"] = torch.cuda.get_rng_state_all()
             mps = getattr(torch, "mps", None)
