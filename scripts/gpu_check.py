@@ -1,12 +1,21 @@
 """Checks that need a real CUDA GPU, in a real IPython shell. Skips cleanly (exit 0) without one.
 
-    python scripts/gpu_check.py [--out docs/gpu-check.txt]
+    python scripts/gpu_check.py [--out docs/gpu-check-YYYY-MM-DD.txt]
 
-1. `%load_ext cuda_magic` and `%gpumem` create no CUDA context before torch uses CUDA.
-2. `%gpumem` figures agree with NVML's within 2 MiB.
-3. A real OOM under a memory cap (`%%oomguard -l`) is recovered to the baseline `memory_allocated()`.
-4. `%freecuda` returns cached memory to NVML's free figure.
-Prints one line per check and the torch / driver versions; exit status 1 if any check failed.
+Each line is PASS, FAIL or SKIP; exit status 1 if any check failed. What a GPU can show of issue 10:
+ 1. `%load_ext cuda_magic`, `%gpumem` and `%gpumem --processes` create no CUDA context (finding 8), and
+    the process list does not crash on this driver / nvidia-ml-py pair (2).
+ 2. The capacity `%gpumem` shows before torch starts CUDA (NVML's v2 total less reserved memory) is the
+    one torch reports once it has started (3).
+ 3. With CUDA started, `%gpumem` agrees with torch's own figures (`mem_get_info`, `memory_allocated`,
+    `memory_reserved`) and its parts add up (4); each `cuda:N` is the NVML device of torch's UUID for N,
+    also where CUDA_VISIBLE_DEVICES lists UUIDs or the order is fastest first (4, 5); this process is
+    listed once per GPU (13).
+ 4. `%gpumem --watch` records the cell that starts CUDA as a CUDA cell with its exact peak (12).
+ 5. A real OOM under `%%oomguard -l` is recovered to the baseline, raises torch's OutOfMemoryError class
+    (1), and the memory fraction in force before (the user's own) is put back (7).
+ 6. `%freecuda` returns cached memory to the device (NVML's free figure).
+ 7. Switching expandable_segments on is reported as it is in force (9).
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 MiB = 1024**2
 
@@ -25,12 +35,23 @@ def main(argv=None) -> int:
     lines: list[str] = []
     failed = 0
 
+    def say(text: str) -> None:
+        lines.append(text)
+        print(text, flush=True)
+
     def report(ok: bool | None, what: str) -> None:
         nonlocal failed
-        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
         failed += ok is False
-        lines.append(f"{mark}  {what}")
-        print(lines[-1], flush=True)
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+        say(f"{mark}  {what}")
+
+    def check(name: str, fn) -> None:
+        """Run one numbered check; an exception is that check's FAIL, not the end of the script."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a crash is a finding to report, then go on
+            report(False, f"{name}: raised {type(exc).__name__}: {exc}")
+            say("      " + traceback.format_exc().strip().replace("\n", "\n      "))
 
     from IPython.testing.globalipapp import get_ipython
 
@@ -38,58 +59,158 @@ def main(argv=None) -> int:
     ip.run_line_magic("load_ext", "cuda_magic")
     import torch
 
-    lines.append(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}  torch {torch.__version__}  python {sys.version.split()[0]}")
-    if not torch.cuda.is_available():
+    say(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  torch {torch.__version__}  python "
+        f"{sys.version.split()[0]}  CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}  "
+        f"CUDA_DEVICE_ORDER={os.environ.get('CUDA_DEVICE_ORDER')!r}")
+    if torch.cuda.device_count() == 0:      # NVML-based: no CUDA context, no driver initialisation
         report(None, "no CUDA GPU here: nothing to check")
         return _finish(lines, args.out, 0)
     import pynvml
 
     pynvml.nvmlInit()
-    driver = pynvml.nvmlSystemGetDriverVersion()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
-    lines.append(f"driver {driver}  cuda {torch.version.cuda}  gpu {torch.cuda.get_device_name(0)}")
-    print(lines[-1])
+    try:
+        from importlib.metadata import version
 
-    # 1. no context from loading and %gpumem
+        bindings = version("nvidia-ml-py")
+    except Exception:
+        bindings = "?"
+    say(f"driver {_text(pynvml.nvmlSystemGetDriverVersion())}  nvidia-ml-py {bindings}  cuda "
+        f"{torch.version.cuda}  hip {torch.version.hip}  GPUs torch sees: {torch.cuda.device_count()}")
     ip.run_cell("import torch")
-    ip.run_line_magic("gpumem", "-q")
-    report(not torch.cuda.is_initialized(), "%load_ext and %gpumem create no CUDA context")
+    state: dict = {}
 
-    # 2. figures against NVML
-    ip.run_cell("keep = torch.ones(256 * 2**20 // 4, device='cuda')")
-    torch.cuda.synchronize()
-    snap = ip.run_line_magic("gpumem", "-q -o")
-    dev = snap.device("cuda:0")
-    mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    ok = abs(dev.capacity - mem.total) <= 2 * MiB and abs(dev.free - mem.free) <= 2 * MiB
-    report(ok, f"%gpumem vs NVML: capacity {dev.capacity} vs {mem.total}, free {dev.free} vs {mem.free}")
-    parts = sum(v for v in dev.parts().values() if v is not None)
-    report(parts == dev.capacity, f"device parts add up to the capacity ({parts} of {dev.capacity})")
+    def no_context():
+        snap = ip.run_line_magic("gpumem", "-q -o --processes")
+        state["before"] = {d.key: d.capacity for d in snap.device_list if d.kind == "cuda"}
+        report(not torch.cuda.is_initialized(), "1. %load_ext, %gpumem and --processes create no CUDA context")
+        report(bool(state["before"]), f"1. %gpumem lists the GPUs before CUDA starts: {state['before']}")
 
-    # 3. a real OOM under a cap, recovered to the baseline
-    baseline = torch.cuda.memory_allocated()
-    ip.run_cell("import weakref\nrefs = []\n"
-                "def grow():\n    a = torch.ones(512 * 2**20 // 4, device='cuda')\n    refs.append(weakref.ref(a))\n"
-                "    b = torch.empty(8 * 2**30, dtype=torch.uint8, device='cuda')\n")
-    result = ip.run_cell("%%oomguard -l 2GiB --no-raise -o\ngrow()")
-    guard = result.result
-    after = torch.cuda.memory_allocated()
-    alive = ip.user_ns["refs"][0]() is not None
-    report(guard is not None and guard.outcome == "oom" and after == baseline and not alive,
-           f"real OOM under -l 2GiB recovered: allocated {after} vs baseline {baseline}, tensor freed: {not alive}")
-    fraction = torch.cuda.get_per_process_memory_fraction(0) if hasattr(torch.cuda, "get_per_process_memory_fraction") else None
-    report(fraction in (None, 1.0), f"memory fraction restored after -l ({fraction})")
+    def watch_first_cuda_cell():
+        ip.run_line_magic("gpumem", "--watch -q")
+        ip.run_cell("keep = torch.ones(256 * 2**20 // 4, device='cuda')")
+        ip.run_line_magic("gpumem", "--unwatch -q")
+        row = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")[-1]
+        report(row["device"] == "cuda:0" and row["peak"] is not None and row["peak"] >= 256 * MiB,
+               f"4. the cell that starts CUDA is recorded on cuda:0 with its peak: {row}")
 
-    # 4. %freecuda gives cached memory back to NVML's free figure
-    ip.run_cell("tmp = torch.empty(1024 * 2**20, dtype=torch.uint8, device='cuda'); del tmp")
-    torch.cuda.synchronize()
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    free_before = pynvml.nvmlDeviceGetMemoryInfo(handle).free
-    ip.run_line_magic("freecuda", "-q")
-    free_after = pynvml.nvmlDeviceGetMemoryInfo(handle).free
-    report(free_after - free_before >= cached - 2 * MiB,
-           f"%freecuda returned {free_after - free_before} bytes to NVML's free figure (cached was {cached})")
+    def capacity_unchanged():
+        if "keep" not in ip.user_ns:
+            ip.run_cell("keep = torch.ones(256 * 2**20 // 4, device='cuda')")
+        torch.cuda.synchronize()
+        snap = ip.run_line_magic("gpumem", "-q -o")
+        for dev in (d for d in snap.device_list if d.kind == "cuda"):
+            i = int(dev.key.split(":")[1])
+            if not torch._C._cuda_hasPrimaryContext(i):
+                continue
+            before = state.get("before", {}).get(dev.key)
+            _, total = torch.cuda.mem_get_info(i)
+            report(before is not None and abs(before - total) <= 2 * MiB,
+                   f"2. {dev.key} capacity before CUDA started {before} vs torch's total {total}")
+
+    def figures_and_mapping():
+        snap = ip.run_line_magic("gpumem", "-q -o --processes")
+        me = os.getpid()
+        for dev in (d for d in snap.device_list if d.kind == "cuda"):
+            i = int(dev.key.split(":")[1])
+            if torch._C._cuda_hasPrimaryContext(i):
+                free, total = torch.cuda.mem_get_info(i)
+                allocated, reserved = torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i)
+                ok = (abs(dev.capacity - total) <= 2 * MiB and abs(dev.free - free) <= 2 * MiB
+                      and dev.torch_allocated == allocated and dev.torch_cached == reserved - allocated)
+                report(ok, f"3. {dev.key} vs torch: capacity {dev.capacity}/{total}, free {dev.free}/{free}, "
+                           f"allocated {dev.torch_allocated}/{allocated}, cached {dev.torch_cached}/"
+                           f"{reserved - allocated}")
+                parts = sum(v for v in dev.parts().values() if v is not None)
+                report(parts == dev.capacity, f"3. {dev.key} parts add up ({parts} of {dev.capacity})")
+            uuid = getattr(torch.cuda.get_device_properties(i), "uuid", None)
+            if uuid is None:
+                report(None, f"3. {dev.key}: torch {torch.__version__} reports no UUID (2.4+): mapping unchecked")
+                continue
+            text = str(uuid)
+            text = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(text)
+            except pynvml.NVMLError as exc:
+                report(None, f"3. {dev.key}: NVML has no device {text} ({exc}; a MIG instance?)")
+                continue
+            report(_text(pynvml.nvmlDeviceGetName(handle)) == dev.name,
+                   f"3. {dev.key} is NVML's {text}: {dev.name!r}")
+        mine = [(p.device, p.pid) for p in snap.processes if p.pid == me]
+        report((bool(mine) and len(mine) == len(set(mine))) or not snap.processes,
+               f"3. this process listed once per GPU it uses: {mine}")
+
+    def oom_under_cap():
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        torch.cuda.set_per_process_memory_fraction(0.9, 0)      # the user's own cap, to be put back
+        baseline = torch.cuda.memory_allocated()
+        ip.run_cell("import weakref\nrefs = []\n"
+                    "def grow():\n    a = torch.ones(512 * 2**20 // 4, device='cuda')\n"
+                    "    refs.append(weakref.ref(a))\n"
+                    "    b = torch.empty(8 * 2**30, dtype=torch.uint8, device='cuda')\n")
+        result = ip.run_cell("%%oomguard -l 2GiB -q\ngrow()")
+        err = result.error_in_exec
+        from cuda_magic.devices.errors import oom_error_class
+
+        report(isinstance(err, oom_error_class(torch)),
+               f"5. the short error is torch's OOM class: {type(err).__mro__[:3]}")
+        del err, result
+        ip.run_cell("pass")
+        after = torch.cuda.memory_allocated()
+        alive = ip.user_ns["refs"][0]() is not None
+        report(after == baseline and not alive,
+               f"5. real OOM under -l 2GiB recovered: allocated {after} vs baseline {baseline}, freed: {not alive}")
+        if getter is None:
+            report(None, f"5. torch {torch.__version__} has no get_per_process_memory_fraction (2.6+)")
+        else:
+            fraction = getter(0)
+            report(abs(fraction - 0.9) < 1e-9, f"5. the fraction in force before -l is back: {fraction}")
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+    def freecuda():
+        ip.run_cell("tmp = torch.empty(1024 * 2**20, dtype=torch.uint8, device='cuda'); del tmp")
+        torch.cuda.synchronize()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        handle = _handle_of(pynvml, torch, 0)
+        free_before = pynvml.nvmlDeviceGetMemoryInfo(handle).free
+        ip.run_line_magic("freecuda", "-q")
+        free_after = pynvml.nvmlDeviceGetMemoryInfo(handle).free
+        report(free_after - free_before >= cached - 2 * MiB,
+               f"6. %freecuda returned {free_after - free_before} bytes to NVML's free figure (cached {cached})")
+
+    def expandable():
+        from cuda_magic.devices.allocator_conf import current_allocator_conf, enable_expandable_segments
+
+        try:
+            said = enable_expandable_segments()
+        except RuntimeError as exc:
+            report(None, f"7. expandable_segments not switched on: {exc}")
+            return
+        ip.run_cell("seg = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")
+        segments = [s for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
+        report(bool(segments) == ("expandable_segments:True" in current_allocator_conf()),
+               f"7. {said[:60]}...: {len(segments)} expandable segment(s) after, conf {current_allocator_conf()!r}")
+
+    for name, fn in (("1", no_context), ("4", watch_first_cuda_cell), ("2", capacity_unchanged),
+                     ("3", figures_and_mapping), ("5", oom_under_cap), ("6", freecuda), ("7", expandable)):
+        check(name, fn)
     return _finish(lines, args.out, 1 if failed else 0)
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _handle_of(pynvml, torch, index: int):
+    """NVML's handle of torch's CUDA device `index`, by the UUID torch reports (2.4+); by the package's
+    reading of CUDA_VISIBLE_DEVICES otherwise (never by parsing the variable as numbers here)."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+    from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
+
+    devices, _ = visible_nvml_devices(get_nvml())
+    return pynvml.nvmlDeviceGetHandleByIndex(devices[index].nvml_index)
 
 
 def _finish(lines, out, status) -> int:

@@ -515,3 +515,30 @@ def test_the_fatal_note_is_printed_where_python_has_no_add_note(tip, capsys):
     tip.run_cell("raise NoNotes('CUDA error: an illegal memory access was encountered')")
     assert "not an out-of-memory error" in capsys.readouterr().err
     tip.run_line_magic("oomguard", "off")
+
+
+# ------------------------------------------------------------------ scripts/gpu_check.py
+
+def _gpu_check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_finds_the_nvml_device_by_uuid_not_by_parsing_the_variable(three, monkeypatch):
+    # the old script did int(CUDA_VISIBLE_DEVICES.split(",")[0]): a crash on GPU-/MIG- lists
+    gpu_check = _gpu_check_module()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-cccc,GPU-aaaa")
+    by_uuid = {g.uuid: g for g in three.gpus}
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda u: by_uuid[u], raising=False)
+    torch = SimpleNamespace(cuda=SimpleNamespace(
+        get_device_properties=lambda i: SimpleNamespace(uuid=["cccc3333-0000", "aaaa1111-0000"][i])))
+    assert gpu_check._handle_of(pynvml, torch, 1).uuid == "GPU-aaaa1111-0000"
+    # torch before 2.4 reports no UUID: the package's reading of CUDA_VISIBLE_DEVICES, as torch's
+    torch.cuda.get_device_properties = lambda i: SimpleNamespace()
+    assert gpu_check._handle_of(pynvml, torch, 0).uuid == "GPU-cccc3333-0000"

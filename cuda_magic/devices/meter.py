@@ -1,5 +1,6 @@
 """Meters: the allocated bytes, exact peak and capacity of the one device a guarded run is measured on,
-and the `-l` cap. One small interface over CUDA (torch's counters), the simulated device and the CPU."""
+and the `-l` cap. One small interface over CUDA and ROCm (torch's counters), MPS, XPU, the simulated
+device and the CPU; `device_type` is what torch.autocast is given for the device."""
 from __future__ import annotations
 
 import sys
@@ -133,7 +134,7 @@ class MpsMeter:
         return int(self.torch.mps.driver_allocated_memory())
 
     def capacity(self) -> int | None:
-        """Metal's recommended working-set size (torch 2.5+), the base of the memory fraction."""
+        """Metal's recommended working-set size (not in torch 2.1; in 2.5), the base of the memory fraction."""
         getter = getattr(self.torch.mps, "recommended_max_memory", None)
         return int(getter()) if getter is not None else None
 
