@@ -117,8 +117,8 @@ class GuardEngine:
         """Returns (value of the run that stands, exception to pass through or None)."""
         __tracebackhide__ = True  # noqa: F841
         self.report = report
-        capacity = capacity_of(self.meter)
-        if self.limit is not None and capacity is not None and self.limit > capacity:
+        capacity = capacity_of(self.meter) if self.limit is not None else None   # reading it may start CUDA
+        if capacity is not None and self.limit > capacity:
             from cuda_magic.units import format_bytes
 
             note = (f"the cap {format_bytes(self.limit)} is above the device's capacity "
