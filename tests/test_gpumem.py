@@ -235,6 +235,43 @@ def test_bad_flags_are_one_line_usage_errors(ip, line):
     assert active_device() is None
 
 
+FLAGS = {"-n": "-n 3", "-d": "-d cpu", "--processes": "--processes", "--diff": "--diff", "--watch": "--watch",
+         "--unwatch": "--unwatch", "--history": "--history", "--simulate": "--simulate 64MiB", "-o": "-o",
+         "-q": "-q"}
+# Written out by hand (not derived from the magic's table): each pair here would leave one flag ignored.
+IMPOSSIBLE = {
+    ("--watch", "--unwatch"), ("--watch", "--history"), ("--unwatch", "--history"),
+    *{(cmd, flag) for cmd in ("--watch", "--unwatch") for flag in ("-n", "-d", "--processes", "--diff", "-o")},
+    *{("--history", flag) for flag in ("-n", "-d", "--processes", "--diff")},
+    ("--diff", "-n"), ("--diff", "--processes"),
+}
+PAIRS = [(a, b) for i, a in enumerate(FLAGS) for b in list(FLAGS)[i + 1:]]
+
+
+def _impossible(a, b):
+    return (a, b) in IMPOSSIBLE or (b, a) in IMPOSSIBLE
+
+
+@pytest.mark.parametrize("a, b", [p for p in PAIRS if _impossible(*p)])
+def test_flags_that_cannot_go_together_are_one_line_usage_errors_that_change_nothing(tip, a, b):
+    from cuda_magic.devices.simulated import active_device
+
+    callbacks = {k: list(v) for k, v in tip.events.callbacks.items()}
+    for line in (f"{FLAGS[a]} {FLAGS[b]}", f"{FLAGS[b]} {FLAGS[a]} --simulate 64MiB"):
+        with pytest.raises(UsageError) as excinfo:
+            tip.run_line_magic("gpumem", line)
+        message = str(excinfo.value)
+        assert type(excinfo.value) is UsageError and "\n" not in message.strip()
+        assert f"{a} and {b}" in message or f"{b} and {a}" in message, message
+        assert active_device() is None
+        assert {k: list(v) for k, v in tip.events.callbacks.items()} == callbacks
+
+
+@pytest.mark.parametrize("a, b", [p for p in PAIRS if not _impossible(*p)])
+def test_flags_that_go_together_run(tip, a, b):
+    tip.run_line_magic("gpumem", f"{FLAGS[a]} {FLAGS[b]} -q")
+
+
 def test_activations_a_logged_loss_keeps_are_named_by_its_graph(tip):
     run_ok(tip, "lin = torch.nn.Linear(64, 256)\nlosses = []\n"
                 "for _ in range(2):\n    losses.append(lin(torch.randn(128, 64)).relu().sum())\n")

@@ -8,11 +8,55 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_size_arg
 from cuda_magic.magics.state import get_state
 
+# %gpumem is a snapshot by default, or one of these commands. Each takes only the flags listed for it:
+# any other flag would be silently ignored, so giving it is a UsageError, raised before anything changes.
+SNAPSHOT = "the snapshot"
+COMMANDS = ("--watch", "--unwatch", "--history")
+TAKES = {
+    SNAPSHOT: {"-n", "-d", "--processes", "--diff", "-o", "-q", "--simulate"},
+    "--watch": {"-q", "--simulate"},
+    "--unwatch": {"-q", "--simulate"},
+    "--history": {"-o", "-q", "--simulate"},
+}
+WHAT = {
+    "--watch": "--watch only switches the per-cell line on",
+    "--unwatch": "--unwatch only switches the per-cell line off",
+    "--history": "--history shows the --watch records of every device (-o: as a DataFrame)",
+}
+# within the snapshot: --diff shows what changed, not the largest tensors nor the processes
+APART = {("--diff", "-n"): "--diff lists the tensors that appeared and went, not the N largest",
+         ("--diff", "--processes"): "--diff compares memory, not the process lists"}
+
+
+def given_flags(args) -> list[str]:
+    """The flags given on the line, in the order of the usage line."""
+    given = {"-n": args.top is not None, "-d": args.device is not None, "--processes": args.processes,
+             "--diff": args.diff, "--watch": args.watch, "--unwatch": args.unwatch,
+             "--history": args.history, "--simulate": args.simulate is not None, "-o": args.output,
+             "-q": args.quiet}
+    return [flag for flag, on in given.items() if on]
+
+
+def command_of(args) -> str:
+    """Which of %gpumem's commands the line asks for; a UsageError for flags that cannot go together."""
+    flags = given_flags(args)
+    commands = [f for f in flags if f in COMMANDS]
+    if len(commands) > 1:
+        raise UsageError(f"{commands[0]} and {commands[1]} cannot go together: give one")
+    command = commands[0] if commands else SNAPSHOT
+    for flag in flags:
+        if flag not in TAKES[command] and flag != command:
+            raise UsageError(f"{command} and {flag} cannot go together: {WHAT[command]}")
+    for (a, b), why in APART.items():
+        if a in flags and b in flags:
+            raise UsageError(f"{a} and {b} cannot go together: {why}")
+    return command
+
 
 @magics_class
 class GpumemMagics(Magics):
     @magic_arguments()
-    @argument("-n", dest="top", default="10", metavar="N", help="how many of the largest tensors to list (default 10)")
+    @argument("-n", dest="top", default=None, metavar="N", help="how many of the largest tensors to list (default 10)")
     @argument("-d", "--device", default=None, metavar="DEVICE", help="only this device: 0, 1, cuda:1, sim, cpu")
     @argument("--processes", action="store_true", help="the processes using each GPU (pid, user, name, memory)")
     @argument("--diff", action="store_true", help="what changed since the previous %%gpumem")
@@ -26,9 +70,8 @@ class GpumemMagics(Magics):
     def gpumem(self, line=""):
         """Show where GPU memory is: each device's capacity split into parts, then the largest tensors."""
         args = parse_args(self.gpumem, line)
-        top = parse_count(args.top)
-        if args.watch and args.unwatch:
-            raise UsageError("--watch and --unwatch contradict each other: give one")
+        command = command_of(args)
+        top = parse_count(args.top) if args.top is not None else 10
         simulate = None
         if args.simulate is not None:
             if args.simulate.strip().lower() != "off":
@@ -38,9 +81,9 @@ class GpumemMagics(Magics):
 
         if args.simulate is not None:
             self._simulate(simulate, args.quiet)
-        if args.watch or args.unwatch:
-            return self._watch(state, args.watch, args.quiet)
-        if args.history:
+        if command in ("--watch", "--unwatch"):
+            return self._watch(state, command == "--watch", args.quiet)
+        if command == "--history":
             return self._history(state, args)
 
         from cuda_magic.memory.records import diff
