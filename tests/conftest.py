@@ -56,12 +56,14 @@ def _clean_notebook_refs(ip) -> None:
 
 def unload_everything(ip) -> None:
     """`%oomguard off`, stop the simulated session, `%unload_ext`: what a test may have turned on."""
-    from cuda_magic.devices.simulated import stop_session
+    from cuda_magic.devices.simulated import active_device
 
     if "cuda_magic" in ip.extension_manager.loaded:
         ip.run_line_magic("oomguard", "off")
         ip.run_line_magic("unload_ext", "cuda_magic")
-    stop_session()
+    while (dev := active_device()) is not None:    # a device a failed test left on
+        dev.stop()
+        dev.forget()
 
 
 @pytest.fixture

@@ -84,3 +84,55 @@ def test_unload_without_load_and_twice_is_harmless(bare_ip):
 
     unload_ipython_extension(ip)     # a second unload finds nothing to remove
     assert _ours_registered(ip) == {"line": set(), "cell": set()}
+
+
+def test_the_state_lives_on_the_magics_objects(bare_ip):
+    from cuda_magic.magics import state as state_module
+    from cuda_magic.magics.state import get_state
+
+    ip = bare_ip
+    assert get_state(ip) is None
+    ip.run_line_magic("load_ext", "cuda_magic")
+    state = get_state(ip)
+    instances = _our_instances(ip)
+    assert len(instances) == 3 and all(m.cuda_magic_state is state for m in instances)
+    assert set(map(id, state.magics)) == set(map(id, instances))
+    registries = [k for k, v in vars(state_module).items() if isinstance(v, dict) and not k.startswith("__")]
+    assert registries == []     # no module-level dict of shells
+    ip.run_line_magic("unload_ext", "cuda_magic")
+    assert get_state(ip) is None and all(m.cuda_magic_state is None for m in instances)
+
+
+def test_unloading_one_shell_stops_only_what_that_shell_started():
+    """Two shells in one process: B's unload leaves A's simulated device, watcher and magics alone."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from IPython.core.interactiveshell import InteractiveShell
+from cuda_magic.devices.simulated import active_device
+from cuda_magic.magics.state import get_state
+
+a = InteractiveShell.instance()
+b = InteractiveShell()
+for shell in (a, b):
+    shell.run_line_magic("load_ext", "cuda_magic")
+a.run_line_magic("gpumem", "--simulate 64MiB -q")
+a.run_line_magic("gpumem", "--watch -q")
+dev_a = active_device()
+b.run_line_magic("gpumem", "--simulate 32MiB -q")
+assert active_device() is not dev_a and active_device().capacity == 32 * 2**20
+b.run_line_magic("unload_ext", "cuda_magic")
+assert get_state(b) is None and get_state(a) is not None
+assert active_device() is dev_a, "B's unload must not stop A's device"
+a.run_cell("import torch\nx = torch.zeros(1024)", store_history=True)
+assert dev_a.allocated == 4096
+assert [r.device for r in get_state(a).history] == ["sim:0"], "A's watcher still records"
+assert get_state(a).history[0].allocated_delta == 4096
+a.run_line_magic("unload_ext", "cuda_magic")
+assert active_device() is None and not dev_a.active
+print("ok")
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

@@ -183,6 +183,7 @@ def test_watch_records_each_cell_with_the_exact_peak(tip, capsys):
     from cuda_magic.magics.state import get_state
 
     records = get_state(tip).history
+    assert records is get_state(tip).watcher.records     # one list, one owner
     assert len(records) == 2 and all(type(r) is CellRecord for r in records)
     assert "[gpumem]" not in capsys.readouterr().out
 

@@ -36,6 +36,19 @@ def test_load_ext_in_a_fresh_shell_loads_no_heavy_module():
     assert _heavy_modules_after(code) == []
 
 
+def test_freecuda_in_a_kernel_that_never_imported_torch_imports_nothing_heavy():
+    code = (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.run_line_magic('load_ext', 'cuda_magic')\n"
+        "ip.run_cell('data = [1, 2, 3]\\n1 / 0')\n"           # a failed cell: release has refs to drop
+        "for line in ('', '-n', '--all', '--offload data', 'data'):\n"
+        "    ip.run_line_magic('freecuda', line + ' -q')\n"
+        "assert 'data' not in ip.user_ns\n"
+    )
+    assert _heavy_modules_after(code) == []
+
+
 def test_unknown_attribute_is_an_attribute_error():
     code = (
         "import cuda_magic\n"

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 from cuda_magic.devices.records import DeviceMemory
 
-_session: SimulatedDevice | None = None   # the device `%gpumem --simulate` turned on, if any
-_host_only: set[int] = set()              # storages kept in host memory on purpose: never counted
+_active: list[SimulatedDevice] = []   # devices counting now, the latest started last (mirrors the modes entered)
+_host_only: set[int] = set()               # storages kept in host memory on purpose: never counted
 _mode_class = None
 
 
@@ -127,6 +127,7 @@ class SimulatedDevice:
             raise RuntimeError("this simulated device is already active")
         self._mode = _get_mode_class()(self)
         self._mode.__enter__()
+        _active.append(self)
         return self
 
     def stop(self) -> None:
@@ -134,6 +135,8 @@ class SimulatedDevice:
         if self._mode is None:
             return
         mode, self._mode = self._mode, None
+        if self in _active:
+            _active.remove(self)
         mode.__exit__(None, None, None)
 
     def __enter__(self) -> SimulatedDevice:
@@ -286,23 +289,6 @@ def mark_host_only(tensor) -> None:
 
 
 def active_device() -> SimulatedDevice | None:
-    """The session's simulated device (`%gpumem --simulate`), or None."""
-    return _session if _session is not None and _session.active else None
-
-
-def start_session(capacity: int) -> SimulatedDevice:
-    """Turn on a session-wide simulated device, replacing one already on."""
-    global _session
-    stop_session()
-    _session = SimulatedDevice(capacity).start()
-    return _session
-
-
-def stop_session() -> bool:
-    global _session
-    dev, _session = _session, None
-    if dev is None:
-        return False
-    dev.stop()
-    dev.forget()
-    return True
+    """The simulated device counting tensors now (the latest started: `%gpumem --simulate`'s, or one a
+    `with simulated_device(...)` block or a guarded run's `-l` started), or None."""
+    return _active[-1] if _active else None

@@ -1,39 +1,35 @@
 """Loading and unloading: register the magics once, and on unload remove every hook added."""
 from __future__ import annotations
 
-from cuda_magic.magics.state import drop_state, get_state
+from cuda_magic.magics.state import ExtensionState, get_state
 
 
 def load(shell) -> None:
-    state = get_state(shell)
-    if state is not None and state.magics:
+    if get_state(shell) is not None:
         return  # loaded already: register nothing twice
-    state = get_state(shell, create=True)
     from cuda_magic.magics.free import FreeMagics
     from cuda_magic.magics.gpumem import GpumemMagics
     from cuda_magic.magics.guard import GuardMagics
 
+    state = ExtensionState(shell)
     for cls in (GpumemMagics, GuardMagics, FreeMagics):
         instance = cls(shell)
-        shell.register_magics(instance)
+        instance.cuda_magic_state = state     # one state, shared by the three
         state.magics.append(instance)
+    for instance in state.magics:
+        shell.register_magics(instance)
     from cuda_magic.magics.freed import install
 
     install(shell)
 
 
 def unload(shell) -> None:
-    state = drop_state(shell)
+    state = get_state(shell)
     if state is None:
         return
-    if state.watcher is not None:
-        state.watcher.stop()
-    if state.guard_all is not None:
-        state.guard_all.stop()
-    from cuda_magic.devices.simulated import stop_session
+    state.stop_all()
     from cuda_magic.magics.freed import uninstall
 
-    stop_session()
     uninstall(shell)
     manager = shell.magics_manager
     for instance in state.magics:
@@ -46,3 +42,4 @@ def unload(shell) -> None:
         for key, value in list(manager.registry.items()):
             if value is instance:
                 del manager.registry[key]
+        instance.cuda_magic_state = None

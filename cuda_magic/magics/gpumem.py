@@ -6,7 +6,6 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_size_arg
-from cuda_magic.magics.state import get_state
 
 # %gpumem is a snapshot by default, or one of these commands. Each takes only the flags listed for it:
 # any other flag would be silently ignored, so giving it is a UsageError, raised before anything changes.
@@ -76,11 +75,11 @@ class GpumemMagics(Magics):
         if args.simulate is not None:
             if args.simulate.strip().lower() != "off":
                 simulate = parse_size_arg(args.simulate, "--simulate", allow_fraction=False)
-        state = get_state(self.shell, create=True)
+        state = self.cuda_magic_state
         from cuda_magic.display.show import show
 
         if args.simulate is not None:
-            self._simulate(simulate, args.quiet)
+            self._simulate(state, simulate, args.quiet)
         if command in ("--watch", "--unwatch"):
             return self._watch(state, command == "--watch", args.quiet)
         if command == "--history":
@@ -115,16 +114,15 @@ class GpumemMagics(Magics):
                                                    else ": no NVML GPU here."))
         return snap if args.output else None
 
-    def _simulate(self, capacity, quiet: bool) -> None:
-        from cuda_magic.devices.simulated import start_session, stop_session
+    def _simulate(self, state, capacity, quiet: bool) -> None:
         from cuda_magic.units import format_bytes
 
         if capacity is None:
-            was_on = stop_session()
+            was_on = state.stop_simulated()
             if not quiet:
                 print("Simulated device off." if was_on else "No simulated device was on.")
             return
-        start_session(capacity)
+        state.start_simulated(capacity)
         if not quiet:
             print(f"Simulated device on: a {format_bytes(capacity)} GPU. Tensors created from now on in "
                   "this thread count against it; `%gpumem --simulate off` ends it.")
@@ -136,7 +134,6 @@ class GpumemMagics(Magics):
         if on:
             if state.watcher is None:
                 state.watcher = CellWatcher(self.shell, on_record=show_watch)
-                state.watcher.records = state.history
             state.watcher.start()
             if not quiet:
                 print("Watching: after every cell, its change in allocated memory, exact peak and duration. "

@@ -1,28 +1,55 @@
-"""Per-shell state of the extension: what it registered, so that unloading removes exactly that."""
+"""What the extension turned on in one shell, kept on its Magics objects so that it lives and dies with
+them: `%load_ext` makes one ExtensionState and gives it to the three Magics objects it registers; unload
+stops exactly what this shell started (its watcher, `%oomguard on`, its simulated device)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
-
-@dataclass
 class ExtensionState:
-    shell: object
-    magics: list = field(default_factory=list)          # Magics instances registered
-    watcher: object = None                               # watch.CellWatcher while --watch is on
-    last_snapshot: object = None                         # for --diff
-    guard_all: object = None                             # guard_all.GuardAll while `%oomguard on`
-    history: list = field(default_factory=list)          # CellRecords kept after --unwatch
+    def __init__(self, shell):
+        self.shell = shell
+        self.magics: list = []              # the Magics objects registered, each holding this state
+        self.watcher = None                 # watch.CellWatcher from the first --watch on (kept after --unwatch)
+        self.last_snapshot = None           # for --diff
+        self.guard_all = None               # guard_all.GuardAll while `%oomguard on`
+        self.simulated = None               # the SimulatedDevice `%gpumem --simulate` started here
 
+    @property
+    def history(self) -> list:
+        """The --watch records (the watcher owns them)."""
+        return self.watcher.records if self.watcher is not None else []
 
-_states: dict[int, ExtensionState] = {}
+    def start_simulated(self, capacity: int):
+        """This shell's simulated device, replacing the one it had on."""
+        from cuda_magic.devices.simulated import SimulatedDevice
+
+        self.stop_simulated()
+        self.simulated = SimulatedDevice(capacity).start()
+        return self.simulated
+
+    def stop_simulated(self) -> bool:
+        """Switch this shell's simulated device off for good; whether one was on."""
+        dev, self.simulated = self.simulated, None
+        if dev is None:
+            return False
+        dev.stop()
+        dev.forget()
+        return True
+
+    def stop_all(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.guard_all is not None:
+            self.guard_all.stop()
+            self.guard_all = None
+        self.stop_simulated()
 
 
 def get_state(shell, create: bool = False) -> ExtensionState | None:
-    state = _states.get(id(shell))
-    if state is None and create:
-        state = _states[id(shell)] = ExtensionState(shell)
-    return state
-
-
-def drop_state(shell) -> ExtensionState | None:
-    return _states.pop(id(shell), None)
+    """The state of cuda_magic in `shell`, found on the Magics objects it registered; None where the
+    extension is not loaded. (`create` is accepted for old callers: the state exists from `%load_ext` on.)"""
+    manager = getattr(shell, "magics_manager", None)
+    for instance in list(getattr(manager, "registry", {}).values()):
+        state = getattr(instance, "cuda_magic_state", None)
+        if isinstance(state, ExtensionState) and state.shell is shell:
+            return state
+    return None

@@ -6,14 +6,13 @@ device's); on a CPU-only machine from the kernel's resident-set high-water mark,
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from cuda_magic.devices.probe import cuda_started
+from cuda_magic.devices.probe import cuda_started, loaded_torch
 from cuda_magic.devices.proc import ProcReader
-from cuda_magic.memory.records import CellRecord
 from cuda_magic.devices.simulated import active_device
+from cuda_magic.memory.records import CellRecord
 
 
 class CellWatcher:
@@ -47,17 +46,12 @@ class CellWatcher:
             self._proc = None
 
     def _device(self):
-        """(key, allocated, reset_peak, read_peak, exact) for the device this cell runs on."""
+        """(kind, what to read it from) for the device this cell runs on."""
         sim = active_device()
         if sim is not None:
             return "sim", sim
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            try:
-                if torch.cuda.is_initialized():
-                    return "cuda", torch
-            except Exception:
-                pass
+        if cuda_started():
+            return "cuda", loaded_torch()
         return "cpu", None
 
     def pre_run_cell(self, info=None) -> None:
@@ -74,7 +68,7 @@ class CellWatcher:
                 if self._proc is None:
                     self._proc = ProcReader()
                 before = self._proc.start_cell()
-            self._start = (kind, before, time.perf_counter())
+            self._start = (kind, dev, before, time.perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on
             self._start = None
             self._note(exc)
@@ -83,13 +77,10 @@ class CellWatcher:
         start, self._start = self._start, None
         if start is None:
             return
-        kind, before, t0 = start
+        kind, dev, before, t0 = start
         duration = time.perf_counter() - t0
         try:
             if kind == "sim":
-                dev = active_device()
-                if dev is None:
-                    return
                 after, peak, exact, key = dev.allocated, dev.peak, True, dev.key
             elif kind == "cuda" or cuda_started():
                 # a cell that starts CUDA is a CUDA cell: it began with nothing allocated there, and the
