@@ -256,19 +256,3 @@ def test_nvml_starts_once_and_shuts_down(fake):
     nvml.shutdown()
     assert fake.shutdowns == 1 and not fake.initialized
 
-
-def test_choosing_the_cuda_meter_never_calls_is_available(monkeypatch, torch_warm):
-    """`torch.cuda.is_available()` initialises the driver: the meter is chosen from the device count."""
-    import torch
-
-    from cuda_magic.devices import meter
-
-    def is_available():
-        raise AssertionError("is_available initialises the CUDA driver")
-
-    monkeypatch.setattr(torch.cuda, "is_available", is_available)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    chosen, limit = meter.choose_meter()
-    assert chosen.key == "cuda:0" and limit is None
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert meter.choose_meter()[0].key == "cpu"
