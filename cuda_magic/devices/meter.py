@@ -69,8 +69,18 @@ class CudaMeter:
     def reserved(self) -> int | None:
         return int(self.torch.cuda.memory_reserved(self.index)) if self._ready() else 0
 
-    def capacity(self) -> int:
-        """The device's total memory. Reads device properties, which start CUDA: only for `-l`."""
+    def capacity(self) -> int | None:
+        """The device's total memory as CUDA counts it, without starting CUDA: torch's device properties
+        once CUDA has started; before, NVML's figure (None where NVML cannot say)."""
+        if self._ready():
+            return self.total()
+        from cuda_magic.devices.backends import cuda_devices
+
+        return next((d.capacity for d in cuda_devices([])[0] if d.key == self.key), None)
+
+    def total(self) -> int:
+        """torch's figure for the device's memory. Reads device properties, which start CUDA: only once
+        it has started, or for `-l`, whose memory fraction starts it anyway."""
         return int(self.torch.cuda.get_device_properties(self.index).total_memory)
 
     def reset_peak(self) -> None:
@@ -92,7 +102,7 @@ class CudaMeter:
         cuda = self.torch.cuda
         getter = getattr(cuda, "get_per_process_memory_fraction", None)
         old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key)
-        fraction = min(1.0, limit / self.capacity())
+        fraction = min(1.0, limit / self.total())
         cuda.set_per_process_memory_fraction(fraction, self.index)
         _fractions_set[self.key] = fraction
         try:
@@ -290,7 +300,7 @@ def choose_meter(device: str | None = None, limit_text: str | None = None, parse
     if device not in ("cpu", "sim") and not text.startswith(("mps", "xpu")) and cuda_usable():
         torch = sys.modules["torch"]
         meter = CudaMeter(_cuda_index(device, torch))
-        limit = parse_limit(limit_text, meter.capacity()) if limit_text else None
+        limit = parse_limit(limit_text, meter.capacity() or meter.total()) if limit_text else None
         return meter, limit
     if device in (None, "mps") and mps_usable():
         meter = MpsMeter()
