@@ -99,6 +99,7 @@ def cell_records():
 # ---- text ---------------------------------------------------------------------------------------
 
 from cuda_magic.display import html as H  # noqa: E402
+from cuda_magic.display import layout as L  # noqa: E402
 from cuda_magic.display import text as T  # noqa: E402
 from cuda_magic.devices.records import PARTS  # noqa: E402
 
@@ -106,7 +107,7 @@ from cuda_magic.devices.records import PARTS  # noqa: E402
 @pytest.mark.parametrize("make", [cuda_device, simulated_device, cpu_device])
 def test_bar_parts_add_up_to_the_capacity(make):
     dev = make()
-    segments = T.bar_segments(dev)
+    segments = L.bar_segments(dev)
     assert sum(b for _, b in segments) == dev.capacity
     bar = T.bar_text(dev)
     assert bar.startswith("[") and bar.endswith("]") and len(bar) == T.BAR_WIDTH + 2
@@ -117,20 +118,20 @@ def test_bar_parts_add_up_to_the_capacity(make):
 
 
 def test_cpu_device_unknown_parts_become_one_remainder():
-    segments = dict(T.bar_segments(cpu_device()))
+    segments = dict(L.bar_segments(cpu_device()))
     assert set(segments) == {"other_this_process", "free", "unknown"}
     assert segments["unknown"] == 16 * GiB - 3 * GiB - 9 * GiB
     # free not given but everything else is: the rest is free, not unknown
     dev = cuda_device()
     dev.free = None
-    assert dict(T.bar_segments(dev))["free"] == 80 * GiB - 12 * GiB - 2 * GiB - 512 * MiB - 20 * GiB
+    assert dict(L.bar_segments(dev))["free"] == 80 * GiB - 12 * GiB - 2 * GiB - 512 * MiB - 20 * GiB
 
 
 def test_split_cells_sums_to_width_and_shows_small_parts():
-    cells = T.split_cells([10**9, 1, 5 * 10**8], 40)
+    cells = L.split_cells([10**9, 1, 5 * 10**8], 40)
     assert sum(cells) == 40 and cells[1] == 1
-    assert T.split_cells([0, 0], 10) == [0, 0]
-    assert sum(T.percentages([1, 1, 1])) == pytest.approx(100.0, abs=1e-9)
+    assert L.split_cells([0, 0], 10) == [0, 0]
+    assert sum(L.percentages([1, 1, 1])) == pytest.approx(100.0, abs=1e-9)
 
 
 def test_snapshot_text_shows_every_figure():
@@ -155,7 +156,7 @@ def test_snapshot_text_shows_every_figure():
 
 def test_hidden_tensors_when_the_backend_cut_the_list():
     snap = Snapshot([cuda_device()], tensors()[:2], tensor_count=10, tensor_bytes={"cuda:0": 100 * MiB}, top=10)
-    assert T.hidden_tensors(snap) == (8, 100 * MiB - 68 * MiB)
+    assert L.hidden_tensors(snap) == (8, 100 * MiB - 68 * MiB)
     assert "+8 more (32.00 MiB)" in T.snapshot_text(snap)
 
 
@@ -208,8 +209,8 @@ def test_release_text():
 
 def test_watch_line_and_history():
     first, second = cell_records()
-    assert T.watch_line(first) == "[gpumem] cell 12 cuda:0: +1.50 GiB allocated, peak 3.00 GiB, 2.31 s"
-    assert T.watch_line(second) == "[gpumem] cell 13 cpu: -1.00 GiB allocated, peak ~2.00 GiB, 20.0 ms"
+    assert L.watch_line(first) == "[gpumem] cell 12 cuda:0: +1.50 GiB allocated, peak 3.00 GiB, 2.31 s"
+    assert L.watch_line(second) == "[gpumem] cell 13 cpu: -1.00 GiB allocated, peak ~2.00 GiB, 20.0 ms"
     text = T.history_text([first, second])
     assert re.search(r"12\s+cuda:0\s+\+1\.50 GiB\s+3\.00 GiB\s+2\.31 s", text)
     assert "approximate" in text
@@ -306,7 +307,7 @@ def test_memory_bars_widget_segments_add_up_to_100():
         assert "cuda-magic-bar" in bar._dom_classes
         assert sum(width_percent(seg) for seg in bar.children) == pytest.approx(100.0, abs=1e-6)
         parts = [c for seg in bar.children for c in seg._dom_classes]
-        assert parts == [f"cuda-magic-part-{p}" for p, _ in T.bar_segments(dev)]
+        assert parts == [f"cuda-magic-part-{p}" for p, _ in L.bar_segments(dev)]
         assert all(p.removeprefix("cuda-magic-part-") in (*PARTS, "unknown") for p in parts)
     first = w.bars[0].children[0]
     assert first.tooltip == "PyTorch allocated: 12.00 GiB (15.0% of cuda:0)"
@@ -359,7 +360,7 @@ def test_watch_widget_rows():
     first, second = cell_records()
     w = WatchWidget([first])
     assert "cuda-magic-watch" in w._dom_classes and "cuda-magic-widget" in w._dom_classes
-    assert w.text() == T.watch_line(first) and "+1.50 GiB" in w.table.value
+    assert w.text() == L.watch_line(first) and "+1.50 GiB" in w.table.value
     w.add(second)
     assert w.table.value.count("<tr>") == 3 and "~2.00 GiB" in w.table.value
 

@@ -142,3 +142,11 @@ def test_the_layer_table_catches_an_upward_import(tmp_path, monkeypatch):
 def test_no_module_at_the_top_but_the_api_and_shared_helpers():
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == ["__init__", "api", "ipython", "paths", "reprs", "units"]
+
+
+def test_the_text_and_html_forms_draw_from_layout_only():
+    """What the forms share (bar parts, titles, attempt rows) is decided once, in display/layout.py."""
+    for form in ("text", "html"):
+        drawn_from = {t for t, _, _ in imports_of(PACKAGE / "display" / f"{form}.py") if t.startswith("cuda_magic.display")}
+        assert drawn_from == {"cuda_magic.display.layout"}, (form, drawn_from)
+    assert not [t for t, _, _ in imports_of(PACKAGE / "display" / "layout.py") if t.startswith("cuda_magic.display")]

@@ -10,7 +10,10 @@ from html import escape
 
 from cuda_magic.devices.records import PARTS
 from cuda_magic.units import format_bytes, format_duration
-from cuda_magic.display.text import (BAR_LABELS, BAR_PARTS, MAX_ADVICE, UNKNOWN, attempt_headers, attempt_rows, bar_segments, bar_total, guard_title, hidden_tensors, in_use, oom_items, oom_title, peak_words, percentages, reclaimed_words, shape_text, short_dtype, tensor_name, value_words, watch_line)
+from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
+                                       percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
+                                       hidden_tensors, oom_items, oom_title, guard_title, value_words,
+                                       reclaimed_words, attempt_rows, attempt_headers, watch_line)
 
 COLORS = {
     "torch_allocated": "#1f5fbf",      # strong blue

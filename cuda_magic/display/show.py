@@ -46,6 +46,7 @@ def forms_of(obj):
     from cuda_magic.devices.records import DeviceMemory, ProcessMemory
     from cuda_magic.recover.report import GuardReport, ReleaseReport
     from cuda_magic.display import html as H
+    from cuda_magic.display import layout as L
     from cuda_magic.display import text as T
     from cuda_magic.display import widget as W
 
@@ -58,7 +59,7 @@ def forms_of(obj):
     if isinstance(obj, ReleaseReport):
         return (lambda: T.release_text(obj), lambda: H.release_html(obj), None)
     if isinstance(obj, CellRecord):
-        return (lambda: T.watch_line(obj), lambda: H.watch_html(obj), lambda: W.WatchWidget([obj]))
+        return (lambda: L.watch_line(obj), lambda: H.watch_html(obj), lambda: W.WatchWidget([obj]))
     if isinstance(obj, (list, tuple)) and all(isinstance(o, CellRecord) for o in obj):
         return (lambda: T.history_text(obj), lambda: H.history_html(obj), lambda: W.WatchWidget(obj))
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, ProcessMemory) for o in obj):
@@ -180,7 +181,7 @@ def show_watch(record, *, quiet: bool = False, form: str | None = None):
         return None
     form = form or display_form()
     if form == "text":   # the common terminal case, after every cell: skip building the other forms
-        from cuda_magic.display.text import watch_line
+        from cuda_magic.display.layout import watch_line
 
         print(watch_line(record))
         return None

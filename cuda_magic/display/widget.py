@@ -12,6 +12,7 @@ CSS classes, a contract with the browser tests: the root has `cuda-magic-widget`
 from __future__ import annotations
 
 from cuda_magic.display import html as H
+from cuda_magic.display import layout as L
 from cuda_magic.display import text as T
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -68,8 +69,8 @@ class RecordWidget:
 def bar_widget(dev):
     """An HBox of coloured segments whose widths (in %) add up to 100; empty when the capacity is unknown."""
     widgets = ipywidgets()
-    segments = T.bar_segments(dev)
-    widths = T.percentages([b for _, b in segments])
+    segments = L.bar_segments(dev)
+    widths = L.percentages([b for _, b in segments])
     children = []
     for (part, nbytes), width in zip(segments, widths):
         title = H.segment_title(dev, part, nbytes)
@@ -107,7 +108,7 @@ class MemoryBarsWidget(RecordWidget):
             bar = bar_widget(dev)
             self.bars.append(bar)
             notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in dev.notes)
-            peak = f"<div>{H.escape(T.peak_words(dev.peak, dev.peak_exact))}</div>"
+            peak = f"<div>{H.escape(L.peak_words(dev.peak, dev.peak_exact))}</div>"
             figures = widgets.HTML(fragment(H.legend_html(dev) + peak + notes))
             device_box = widgets.VBox([head, bar, figures], layout=widgets.Layout(margin="0 0 8px 0"))
             children.append(with_classes(device_box, "cuda-magic-device"))
@@ -211,7 +212,7 @@ class WatchWidget(RecordWidget):
 
     def _render(self) -> None:
         if len(self.records) == 1:
-            line = H.escape(T.watch_line(self.records[0]))
+            line = H.escape(L.watch_line(self.records[0]))
             self.table.value = fragment(f'<div style="font-size:12.5px">{line}</div>')
             return
         rows = H.watch_rows(self.records)
@@ -220,7 +221,7 @@ class WatchWidget(RecordWidget):
 
     def text(self) -> str:
         if len(self.records) == 1:
-            return T.watch_line(self.records[0])
+            return L.watch_line(self.records[0])
         return T.history_text(self.records)
 
     def html(self) -> str:
