@@ -150,3 +150,16 @@ def test_the_text_and_html_forms_draw_from_layout_only():
         drawn_from = {t for t, _, _ in imports_of(PACKAGE / "display" / f"{form}.py") if t.startswith("cuda_magic.display")}
         assert drawn_from == {"cuda_magic.display.layout"}, (form, drawn_from)
     assert not [t for t, _, _ in imports_of(PACKAGE / "display" / "layout.py") if t.startswith("cuda_magic.display")]
+
+
+def test_the_readme_architecture_names_real_modules_and_every_layer():
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section))
+    missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (PACKAGE.parent / p).exists())
+    assert not missing, f"README's Architecture names modules that do not exist: {missing}"
+    for layer in LAYERS:
+        if layer != "__init__":
+            assert f"`{layer}/`" in section or f"`{layer}.py`" in section, f"README's Architecture lacks {layer}"
