@@ -1,9 +1,14 @@
 """Running a cell body the way IPython does: input transforms (magics inside work), the compiler's cache
 (tracebacks show the cell's lines), AST transformers, and the last expression in "single" mode so that
-its value is displayed and lands in Out[N]."""
+its value is displayed and lands in Out[N]. A body with top-level `await` is compiled as IPython compiles
+it (PyCF_ALLOW_TOP_LEVEL_AWAIT): calling it then returns a coroutine, which IPython's own async
+execution awaits (see magics/awaiting.py)."""
 from __future__ import annotations
 
 import ast
+import inspect
+
+_TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
 
 
 class CompiledCell:
@@ -14,20 +19,53 @@ class CompiledCell:
         tree = shell.compile.ast_parse(self.source, filename=self.filename)
         tree = shell.transform_ast(tree)
         body = list(tree.body)
+        flags = shell.compile.flags | _TOP_LEVEL_AWAIT
         self.last = None
         if body and isinstance(body[-1], ast.Expr):
-            self.last = compile(ast.Interactive([body.pop()]), self.filename, "single",
-                                flags=shell.compile.flags, dont_inherit=True)
+            self.last = compile(ast.Interactive([body.pop()]), self.filename, "single", flags=flags,
+                                dont_inherit=True)
         module = ast.Module(body, type_ignores=[])
-        self.code = compile(module, self.filename, "exec", flags=shell.compile.flags, dont_inherit=True)
+        self.code = compile(module, self.filename, "exec", flags=flags, dont_inherit=True)
         self.lines = self.source.splitlines()
+        self.is_async = any(_awaits(c) for c in (self.code, self.last) if c is not None)
 
-    def __call__(self) -> None:
+    def __call__(self):
+        """Run the body; for a body with top-level `await`, return the coroutine that runs it."""
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        if self.is_async:
+            return self._run_async()
         shell = self.shell
         exec(self.code, shell.user_global_ns, shell.user_ns)
         if self.last is not None:
             exec(self.last, shell.user_global_ns, shell.user_ns)
+        return None
+
+    async def _run_async(self) -> None:
+        __tracebackhide__ = True  # noqa: F841
+        shell = self.shell
+        for code in (self.code, self.last):
+            if code is None:
+                continue
+            if _awaits(code):
+                await eval(code, shell.user_global_ns, shell.user_ns)
+            else:
+                exec(code, shell.user_global_ns, shell.user_ns)
+
+
+def _awaits(code) -> bool:
+    return bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def has_top_level_await(shell, cell: str) -> bool:
+    """Whether a cell body uses `await` (or `async for` / `async with`) outside a function."""
+    if "await" not in cell and "async" not in cell:
+        return False
+    try:
+        source = shell.transform_cell(cell)
+        code = compile(source, "<cell>", "exec", flags=shell.compile.flags | _TOP_LEVEL_AWAIT, dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return _awaits(code)
 
 
 def _cell_number(shell) -> int:

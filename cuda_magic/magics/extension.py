@@ -18,9 +18,10 @@ def load(shell) -> None:
         state.magics.append(instance)
     for instance in state.magics:
         shell.register_magics(instance)
-    from cuda_magic.magics.freed import install
+    from cuda_magic.magics import awaiting, freed
 
-    install(shell)
+    freed.install(shell)
+    awaiting.install(shell)
 
 
 def unload(shell) -> None:
@@ -28,9 +29,10 @@ def unload(shell) -> None:
     if state is None:
         return
     state.stop_all()
-    from cuda_magic.magics.freed import uninstall
+    from cuda_magic.magics import awaiting, freed
 
-    uninstall(shell)
+    freed.uninstall(shell)
+    awaiting.uninstall(shell)
     manager = shell.magics_manager
     for instance in state.magics:
         for kind, table in instance.magics.items():

@@ -37,12 +37,7 @@ class GuardMagics(Magics):
         __tracebackhide__ = True  # noqa: F841
         if cell is None:
             return self._switch(line)
-        args = parse_args(self.oomguard, line)
-        if args.switch is not None:
-            hint = " (write a size without a space: -l 5GiB)" if args.switch.upper() in _UNIT_WORDS else ""
-            raise UsageError(f"%%oomguard takes options only, not {args.switch!r}{hint}; `%oomguard on|off` "
-                             "is the line magic")
-        return self._guard_cell(args, cell)
+        return self._guard_cell(self._parse(line), cell)
 
     # %oomguard on|off ------------------------------------------------------------------------------
     def _switch(self, line: str):
@@ -73,11 +68,41 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
+        run = self._prepare(args, cell)
+        if run.compiled.is_async:
+            raise UsageError("top-level await in a guarded cell needs IPython's autoawait (%autoawait on)")
+        try:
+            _, passthrough = run.engine.run(run.compiled, run.report)
+        finally:
+            run.conclude()
+        return run.finish(passthrough)
+
+    async def guard_cell_async(self, line: str, cell: str):
+        """`%%oomguard` on a cell with top-level `await`, awaited by IPython's own async execution
+        (magics/awaiting.py routes such cells here)."""
+        __tracebackhide__ = True  # noqa: F841
+        args = self._parse(line)
+        run = self._prepare(args, cell)
+        try:
+            _, passthrough = await run.engine.run_async(run.compiled, run.report)
+        finally:
+            run.conclude()
+        return run.finish(passthrough)
+
+    def _parse(self, line: str):
+        args = parse_args(self.oomguard, line)
+        if args.switch is not None:
+            hint = " (write a size without a space: -l 5GiB)" if args.switch.upper() in _UNIT_WORDS else ""
+            raise UsageError(f"%%oomguard takes options only, not {args.switch!r}{hint}; `%oomguard on|off` "
+                             "is the line magic")
+        return args
+
+    def _prepare(self, args, cell: str) -> GuardedCell:
+        """Check every option, then set up: the meter, the compiled cell, the report and its display."""
         from cuda_magic.devices.meter import metered_devices
         from cuda_magic.display.show import show_guard
         from cuda_magic.magics.cell import CompiledCell
         from cuda_magic.recover.engine import GuardEngine
-        from cuda_magic.recover.failure import conclude, short_oom_error
         from cuda_magic.recover.report import GuardReport
 
         ns = self.shell.user_ns
@@ -92,21 +117,7 @@ class GuardMagics(Magics):
         engine = GuardEngine(meter, values=ns, namespace=ns, retry=retry, limit=limit, amp=args.amp,
                              filename=compiled.filename, lines=compiled.lines, on_attempt=handle.add_attempt,
                              on_note=None if args.quiet else _print_note)
-        try:
-            _, passthrough = engine.run(compiled, report)
-        finally:
-            del compiled
-            conclude(report, meter, amp=args.amp is not None, shell=self.shell)
-            if not args.quiet or report.outcome == "oom":
-                (handle if not args.quiet else show_guard(report)).finish(report)
-        if passthrough is not None:
-            del report, engine, handle
-            raise passthrough
-        if report.outcome == "oom" and not args.no_raise:
-            error = short_oom_error(report)
-            del report, engine, handle
-            raise error
-        return report if args.output else None
+        return GuardedCell(self.shell, args, meter, compiled, report, handle, engine)
 
     def _expandable_segments(self, quiet: bool) -> None:
         from cuda_magic.devices.allocator_conf import enable_expandable_segments
@@ -176,6 +187,43 @@ def _check_device(text: str) -> str:
 
     keys = [d.key for d in read_devices().devices]
     return parse_device(text, keys)
+
+
+class GuardedCell:
+    """One `%%oomguard` cell being run: what `_prepare` set up, and how it ends."""
+
+    def __init__(self, shell, args, meter, compiled, report, handle, engine):
+        self.shell, self.args, self.meter = shell, args, meter
+        self.compiled, self.report, self.handle, self.engine = compiled, report, handle, engine
+
+    def conclude(self) -> None:
+        """The report's device after, its diagnosis, and the final display (also after Ctrl-C)."""
+        from cuda_magic.display.show import show_guard
+        from cuda_magic.recover.failure import conclude
+
+        self.compiled = None
+        args, report = self.args, self.report
+        conclude(report, self.meter, amp=args.amp is not None, shell=self.shell)
+        if not args.quiet:
+            self.handle.finish(report)
+        elif report.outcome == "oom":
+            show_guard(report).finish(report)
+
+    def finish(self, passthrough):
+        """Raise what the cell raised, or the short OOM error; else the report (`-o`) or None."""
+        __tracebackhide__ = True  # noqa: F841
+        from cuda_magic.recover.failure import short_oom_error
+
+        report, args = self.report, self.args
+        self.report = self.engine = self.handle = None
+        if passthrough is not None:
+            del report
+            raise passthrough
+        if report.outcome == "oom" and not args.no_raise:
+            error = short_oom_error(report)
+            del report
+            raise error
+        return report if args.output else None
 
 
 def _print_note(text: str) -> None:

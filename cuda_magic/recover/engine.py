@@ -7,6 +7,7 @@ retried variable lives in `values` (the user namespace, or the decorated functio
 """
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -65,9 +66,10 @@ class GuardEngine:
         self.on_note = on_note or (lambda text: None)
 
     # one run ------------------------------------------------------------------------------------
-    def run_once(self, call, value=None, *, undo=None) -> RunResult:
+    async def run_once(self, call, value=None, *, undo=None) -> RunResult:
         """Run and measure. On an OOM: copy out what it says, `undo()` the attempt, then free what the
-        failure held. KeyboardInterrupt is recorded and propagates."""
+        failure held. KeyboardInterrupt is recorded and propagates. A call marked `is_async` (a cell with
+        top-level `await`) returns an awaitable, awaited here."""
         __tracebackhide__ = True  # noqa: F841
         meter = self.meter
         start = meter.allocated()
@@ -77,6 +79,8 @@ class GuardEngine:
         try:
             with meter.running(self.limit), autocast(self.amp, meter):
                 out = call()
+                if getattr(call, "is_async", False) and inspect.isawaitable(out):
+                    out = await out
         except KeyboardInterrupt:
             self._record(Attempt(value, Outcome.INTERRUPTED, meter.peak(), duration=time.perf_counter() - t0,
                                  start_allocated=start))
@@ -116,6 +120,11 @@ class GuardEngine:
     def run(self, call, report: GuardReport):
         """Returns (value of the run that stands, exception to pass through or None)."""
         __tracebackhide__ = True  # noqa: F841
+        return run_sync(self.run_async(call, report))
+
+    async def run_async(self, call, report: GuardReport):
+        """`run` for a call that may return an awaitable: IPython awaits this for a cell with `await`."""
+        __tracebackhide__ = True  # noqa: F841
         self.report = report
         capacity = capacity_of(self.meter) if self.limit is not None else None   # reading it may start CUDA
         if capacity is not None and self.limit > capacity:
@@ -127,7 +136,7 @@ class GuardEngine:
             self.on_note(note)
         if self.retry is None:
             try:
-                result = self.run_once(call)
+                result = await self.run_once(call)
             except KeyboardInterrupt:
                 report.outcome = Outcome.INTERRUPTED
                 raise
@@ -138,9 +147,9 @@ class GuardEngine:
             if result.failure is not None:
                 self._failed(result)
             return result.value, None
-        return self._run_retried(call, report)
+        return await self._run_retried(call, report)
 
-    def _run_retried(self, call, report: GuardReport):
+    async def _run_retried(self, call, report: GuardReport):
         __tracebackhide__ = True  # noqa: F841
         from cuda_magic.recover.retry import BatchSearch
         from cuda_magic.recover.rollback import Checkpoint
@@ -163,7 +172,7 @@ class GuardEngine:
             while value is not None:
                 self._apply(value)
                 with checkpoint.watching():
-                    result = self.run_once(call, value, undo=checkpoint.restore)
+                    result = await self.run_once(call, value, undo=checkpoint.restore)
                 if result.error is not None:
                     self._restore_values()
                     report.outcome = Outcome.ERROR
@@ -192,7 +201,7 @@ class GuardEngine:
                     self.on_note(f"running the cell at {spec.variable}={following}, the value found")
                     self._apply(following)
                     with checkpoint.watching():
-                        result = self.run_once(call, following)
+                        result = await self.run_once(call, following)
                     if result.error is not None:
                         self._restore_values()
                         report.outcome = Outcome.ERROR
@@ -251,6 +260,18 @@ class GuardEngine:
         if retry.accumulate is not None:
             words += f" and {retry.accumulate} to {retry.original_accumulate}"
         return words
+
+
+def run_sync(coroutine):
+    """Run a coroutine that never suspends (the engine on a cell without `await`) to its end: what
+    IPython's own pseudo-sync runner does."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coroutine.close()
+    raise RuntimeError("the guarded call awaited something; run it with `await engine.run_async(...)`")
 
 
 def collect_freed() -> None:
