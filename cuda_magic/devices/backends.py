@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch
+from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch, mps_available
 from cuda_magic.devices.proc import meminfo, process_rss
 from cuda_magic.devices.records import DeviceMemory, ProcessMemory
 from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
@@ -119,8 +119,7 @@ def mps_device() -> DeviceMemory | None:
     torch = loaded_torch()
     if torch is None:
         return None
-    mps = getattr(torch.backends, "mps", None)
-    if mps is None or not mps.is_available():
+    if not mps_available():
         return None
     allocated = int(torch.mps.current_allocated_memory())
     driver = int(torch.mps.driver_allocated_memory())

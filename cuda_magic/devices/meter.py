@@ -269,10 +269,9 @@ def cuda_usable() -> bool:
 
 
 def mps_usable() -> bool:
-    torch = sys.modules.get("torch")
-    mps = getattr(getattr(torch, "backends", None), "mps", None)
-    return mps is not None and bool(mps.is_available()) and hasattr(getattr(torch, "mps", None),
-                                                                       "current_allocated_memory")
+    from cuda_magic.devices.probe import mps_available
+
+    return mps_available() and hasattr(getattr(sys.modules.get("torch"), "mps", None), "current_allocated_memory")
 
 
 def xpu_usable() -> bool:

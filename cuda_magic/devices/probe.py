@@ -37,6 +37,18 @@ def cuda_device_count() -> int:
         return 0
 
 
+def mps_available() -> bool:
+    """Whether torch can use Apple's MPS device."""
+    mps = getattr(getattr(loaded_torch(), "backends", None), "mps", None)
+    return mps is not None and bool(mps.is_available())
+
+
+def xpu_started() -> bool:
+    """Whether torch has initialised an Intel XPU (so its counters can be read freely)."""
+    xpu = getattr(loaded_torch(), "xpu", None)
+    return xpu is not None and bool(getattr(xpu, "is_initialized", lambda: False)())
+
+
 def has_gpu() -> bool:
     """Whether this process can use a GPU (CUDA/ROCm, MPS or XPU). False while torch is not loaded."""
     global _gpu
@@ -47,8 +59,7 @@ def has_gpu() -> bool:
         return False
     found = cuda_started() or cuda_device_count() > 0
     if not found:
-        mps = getattr(getattr(torch, "backends", None), "mps", None)
-        found = mps is not None and bool(mps.is_available())
+        found = mps_available()
     if not found:
         xpu = getattr(torch, "xpu", None)
         found = xpu is not None and hasattr(xpu, "device_count") and bool(xpu.device_count())

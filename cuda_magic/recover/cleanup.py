@@ -15,7 +15,7 @@ import gc
 
 from cuda_magic.ipython import shell_or_current, user_variables
 from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
-from cuda_magic.devices.probe import has_gpu, loaded_torch
+from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
 from cuda_magic.memory.reach import SKIP_TYPES, device_storages, holds_device_memory, storage_key_and_bytes
 from cuda_magic.recover.report import ReleaseReport
@@ -42,16 +42,16 @@ def _device_usage() -> dict[str, int]:
     usage: dict[str, int] = {}
     if torch is None:
         return usage
-    if torch.cuda.is_initialized():
+    if cuda_started():
         for i in range(torch.cuda.device_count()):
             usage[f"cuda:{i}"] = torch.cuda.memory_reserved(i)
     xpu = getattr(torch, "xpu", None)
     # torch.xpu.memory_reserved is torch 2.5+ (2.4 has torch.xpu without its allocator counters)
-    if xpu is not None and hasattr(xpu, "memory_reserved") and getattr(xpu, "is_initialized", lambda: False)():
+    if xpu_started() and hasattr(xpu, "memory_reserved"):
         for i in range(xpu.device_count()):
             usage[f"xpu:{i}"] = xpu.memory_reserved(i)
     mps = getattr(torch, "mps", None)
-    if mps is not None and torch.backends.mps.is_available():
+    if mps is not None and mps_available():
         usage["mps"] = mps.driver_allocated_memory()
     if not has_gpu():
         usage["cpu"] = cpu_tensor_bytes()
@@ -84,13 +84,12 @@ def empty_caches() -> None:
     torch = loaded_torch()
     if torch is None:
         return
-    if torch.cuda.is_initialized():
+    if cuda_started():
         torch.cuda.empty_cache()
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
-        xpu.empty_cache()
+    if xpu_started():
+        torch.xpu.empty_cache()
     mps = getattr(torch, "mps", None)
-    if mps is not None and hasattr(mps, "empty_cache") and torch.backends.mps.is_available():
+    if mps is not None and hasattr(mps, "empty_cache") and mps_available():
         mps.empty_cache()
 
 
