@@ -244,7 +244,11 @@ class SimulatedDevice:
 
     def tracks(self, tensor) -> bool:
         """Whether this device counts the storage under `tensor`."""
-        return tensor.untyped_storage()._cdata in self._live
+        return self.counts(tensor.untyped_storage()._cdata)
+
+    def counts(self, storage_key: int) -> bool:
+        """Whether this device counts the storage whose `untyped_storage()._cdata` is `storage_key`."""
+        return storage_key in self._live
 
     def forget(self) -> None:
         """Stop following the storages counted so far (a device that is switched off for good)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from html import escape
 
 from cuda_magic.devices.records import PARTS
+from cuda_magic.display.layout import kind_segments, shown_kinds
+from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
                                        percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
@@ -128,11 +130,54 @@ def processes_html(processes) -> str:
             + html_table(["device", "pid", "user", "name", "memory", ""], rows, {1, 4}, cls="cuda-magic-processes"))
 
 
+KIND_COLORS = {
+    "parameters": "#3b6fd0",
+    "gradients": "#e39b2d",
+    "optimizer_state": "#8e5cc4",
+    "activations": "#d0473f",
+    "other": "#7c8a8f",
+    UNSEEN: "#c9c9c9",
+}
+
+
+def kinds_bar_html(kinds: dict[str, int]) -> str:
+    """A stacked bar of PyTorch's tensors by kind; the segments' widths add up to 100%."""
+    segments = kind_segments(kinds)
+    if not segments:
+        return ""
+    total = sum(b for _, b in segments)
+    divs = "".join(
+        f'<div class="cuda-magic-kind-{k}" title="{escape(KIND_LABELS[k])}: {format_bytes(b)} '
+        f'({100.0 * b / total:.1f}%)" style="width:{w}%;background:{KIND_COLORS[k]};height:100%"></div>'
+        for (k, b), w in zip(segments, percentages([b for _, b in segments])))
+    return f'<div class="cuda-magic-kinds-bar" style="{BAR}">{divs}</div>'
+
+
+def kinds_html(key: str, kinds: dict[str, int], title: str = "By kind") -> str:
+    """One device's tensors by kind: the stacked bar and a legend with each kind's bytes and share."""
+    segments = kind_segments(kinds)
+    if not segments:
+        return ""
+    total = sum(b for _, b in segments)
+    items = "".join(
+        f'<span style="margin-right:14px;white-space:nowrap"><span style="display:inline-block;width:10px;'
+        f'height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;background:{KIND_COLORS[k]}">'
+        f'</span>{escape(KIND_LABELS[k])} <b>{format_bytes(b)}</b><span style="{MUTED}"> '
+        f'{100.0 * b / total:.1f}%</span></span>' for k, b in segments)
+    return (f'<div class="cuda-magic-kinds" style="margin:6px 0 10px 0"><div><b>{escape(title)}</b> on '
+            f'{escape(key)} <span style="{MUTED}">· {format_bytes(total)} in PyTorch\'s tensors</span></div>'
+            f'{kinds_bar_html(kinds)}<div class="cuda-magic-kinds-legend">{items}</div></div>')
+
+
+def snapshot_kinds_html(snap) -> str:
+    return "".join(kinds_html(key, kinds) for key, kinds in shown_kinds(snap))
+
+
 def snapshot_html(snap) -> str:
     notes = "".join(f'<div style="{MUTED}">note: {escape(n)}</div>' for n in snap.notes)
     devices = "".join(device_html(d) for d in snap.device_list)
     procs = processes_html(snap.processes) if snap.processes else ""
-    return box(notes + devices + tensors_html(snap) + procs, "cuda-magic-snapshot")
+    return box(notes + devices + snapshot_kinds_html(snap) + tensors_html(snap) + procs, "cuda-magic-snapshot")
 
 
 def diff_html(d) -> str:
@@ -303,13 +348,15 @@ def watch_rows(records) -> list[list[str]]:
             for r in records]
 
 
-def history_html(records) -> str:
+def history_html(records, chart: str = "") -> str:
+    """The --watch records as a table, under `chart` (an SVG of them, display.history) when given."""
     if not records:
         return box("<div>No cells recorded: turn recording on with <code>%gpumem --watch</code>.</div>")
     table = html_table(["cell", "device", "allocated", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
     approx = (f'<div style="{MUTED}">~ approximate: the operating system\'s figure</div>'
               if any(not r.peak_exact for r in records) else "")
-    return box(table + approx, "cuda-magic-watch")
+    chart = f'<div class="cuda-magic-history-chart">{chart}</div>' if chart else ""
+    return box(chart + table + approx, "cuda-magic-watch")
 
 
 def watch_html(record) -> str:

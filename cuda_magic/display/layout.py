@@ -5,6 +5,7 @@ these; none of them decides them again.
 from __future__ import annotations
 
 from cuda_magic.devices.records import PART_LABELS, PARTS
+from cuda_magic.memory.kinds import KINDS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 
 UNKNOWN = "unknown"          # the part of a capacity whose figures the backend does not give
@@ -203,3 +204,25 @@ def watch_line(rec) -> str:
         peak = f"peak {'' if rec.peak_exact else '~'}{format_bytes(rec.peak)}"
     return (f"[gpumem] cell {rec.cell} {rec.device}: {format_bytes(rec.allocated_delta, signed=True)} "
             f"allocated, {peak}, {format_duration(rec.duration)}")
+
+
+# ---- memory by kind (memory.kinds) ----------------------------------------------------------------
+
+KIND_ORDER = (*KINDS, UNSEEN)
+KIND_BAR_WIDTH = 50
+
+
+def kind_segments(kinds: dict[str, int]) -> list[tuple[str, int]]:
+    """(kind, bytes) in display order, the kinds that hold nothing left out. With the 'unseen' rest they
+    add up to the device's PyTorch allocated bytes."""
+    return [(k, int(kinds[k])) for k in KIND_ORDER if kinds.get(k)]
+
+
+def shown_kinds(snap) -> list[tuple[str, dict[str, int]]]:
+    """(device key, {kind: bytes}) for the snapshot's devices whose tensors hold anything."""
+    out = []
+    for dev in snap.device_list:
+        kinds = snap.kind_bytes.get(dev.key) or {}
+        if any(kinds.values()):
+            out.append((dev.key, kinds))
+    return out

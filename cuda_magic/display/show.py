@@ -61,7 +61,9 @@ def forms_of(obj):
     if isinstance(obj, CellRecord):
         return (lambda: L.watch_line(obj), lambda: H.watch_html(obj), lambda: W.WatchWidget([obj]))
     if isinstance(obj, (list, tuple)) and all(isinstance(o, CellRecord) for o in obj):
-        return (lambda: T.history_text(obj), lambda: H.history_html(obj), lambda: W.WatchWidget(obj))
+        from cuda_magic.display.history import history_html, history_text
+
+        return (lambda: history_text(obj), lambda: history_html(obj), lambda: W.WatchWidget(obj))
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, ProcessMemory) for o in obj):
         return (lambda: T.processes_text(obj), lambda: H.processes_html(obj), None)
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, DeviceMemory) for o in obj):

@@ -13,6 +13,8 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        short_dtype, shape_text, hidden_tensors, oom_items, oom_title,
                                        guard_title, value_words, reclaimed_words, attempt_rows,
                                        attempt_headers)
+from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
+from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 
 BAR_SYMBOLS = {
@@ -117,6 +119,23 @@ def processes_text(processes) -> str:
         ["device", "pid", "user", "name", "memory", ""], rows, right={1, 4}))
 
 
+KIND_SYMBOLS = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "o",
+                UNSEEN: "?"}
+
+
+def kinds_text(key: str, kinds: dict[str, int], title: str = "By kind") -> list[str]:
+    """PyTorch's tensors on one device by kind: a bar of symbols, then a table."""
+    segments = kind_segments(kinds)
+    if not segments:
+        return []
+    total = sum(b for _, b in segments)
+    cells = split_cells([b for _, b in segments], KIND_BAR_WIDTH)
+    lines = [f"{title} on {key} ({format_bytes(total)} in PyTorch's tensors)",
+             "  [" + "".join(KIND_SYMBOLS[k] * n for (k, _), n in zip(segments, cells)) + "]"]
+    rows = [[KIND_SYMBOLS[k], KIND_LABELS[k], format_bytes(b), f"{100.0 * b / total:.1f}%"] for k, b in segments]
+    return lines + table(["", "kind", "size", "share"], rows, right={2, 3})
+
+
 def snapshot_text(snap) -> str:
     lines = [f"note: {n}" for n in snap.notes]
     for dev in snap.device_list:
@@ -125,6 +144,8 @@ def snapshot_text(snap) -> str:
         used = set(PARTS) | {p for d in snap.device_list for p, _ in bar_segments(d)}
         legend = "  ".join(f"{BAR_SYMBOLS[p]} {BAR_LABELS[p]}" for p in BAR_PARTS if p in used)
         lines.append(f"legend: {legend}")
+    for key, kinds in shown_kinds(snap):
+        lines += kinds_text(key, kinds)
     lines += tensors_text(snap)
     if snap.processes:
         lines.append(processes_text(snap.processes))

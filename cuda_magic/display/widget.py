@@ -14,6 +14,7 @@ from __future__ import annotations
 from cuda_magic.display import html as H
 from cuda_magic.display import layout as L
 from cuda_magic.display import text as T
+from cuda_magic.display.history import history_html, history_text
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -132,8 +133,9 @@ class SnapshotWidget(RecordWidget):
         notes = widgets.HTML(fragment(notes))
         procs = H.processes_html(snap.processes) if snap.processes else ""
         tables = widgets.HTML(fragment(H.tensors_html(snap) + procs))
+        self.kinds = widgets.HTML(fragment(H.snapshot_kinds_html(snap)))
         self.memory.widget.remove_class("cuda-magic-widget")
-        self.widget = with_classes(widgets.VBox([notes, self.memory.widget, tables]),
+        self.widget = with_classes(widgets.VBox([notes, self.memory.widget, self.kinds, tables]),
                                    "cuda-magic-widget", "cuda-magic-snapshot")
         self.bars = self.memory.bars
 
@@ -215,14 +217,12 @@ class WatchWidget(RecordWidget):
             line = H.escape(L.watch_line(self.records[0]))
             self.table.value = fragment(f'<div style="font-size:12.5px">{line}</div>')
             return
-        rows = H.watch_rows(self.records)
-        self.table.value = fragment(H.html_table(["cell", "device", "allocated", "peak", "duration"], rows,
-                                                 {0, 2, 3, 4}))
+        self.table.value = fragment(history_html(self.records))
 
     def text(self) -> str:
         if len(self.records) == 1:
             return L.watch_line(self.records[0])
-        return T.history_text(self.records)
+        return history_text(self.records)
 
     def html(self) -> str:
-        return H.history_html(self.records)
+        return history_html(self.records)

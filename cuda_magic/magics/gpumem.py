@@ -61,7 +61,7 @@ class GpumemMagics(Magics):
     @argument("--diff", action="store_true", help="what changed since the previous %%gpumem")
     @argument("--watch", action="store_true", help="after every cell, one line: its change in allocated memory, exact peak, duration")
     @argument("--unwatch", action="store_true", help="stop --watch")
-    @argument("--history", action="store_true", help="the per-cell records of --watch as a table")
+    @argument("--history", action="store_true", help="the per-cell records of --watch as a table and a chart of allocated-after and peak per cell")
     @argument("--simulate", default=None, metavar="SIZE|off", help="a simulated device of that capacity for the rest of the session, or off")
     @argument("-o", dest="output", action="store_true", help="return the snapshot object")
     @argument("-q", dest="quiet", action="store_true", help="display nothing")
@@ -149,8 +149,10 @@ class GpumemMagics(Magics):
     def _history(self, state, args):
         import pandas as pd
 
+        from cuda_magic.memory.records import CELL_COLUMNS
+
         frame = pd.DataFrame([r.as_row() for r in state.history]) if state.history else \
-            pd.DataFrame(columns=["cell", "device", "allocated_delta", "peak", "peak_exact", "duration"])
+            pd.DataFrame(columns=list(CELL_COLUMNS))
         if args.output:
             return frame
         if not args.quiet:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from cuda_magic.devices.backends import read_devices
 from cuda_magic.memory.census import take_census
+from cuda_magic.memory.kinds import bytes_by_kind
 from cuda_magic.memory.records import Snapshot
 from cuda_magic.ipython import output_hist, shell_or_current, user_variables
 
@@ -28,4 +29,8 @@ def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:
     snap = Snapshot(device_list=reading.devices, tensor_list=records, processes=reading.processes,
                     notes=reading.notes + notes, tensor_count=len(records), tensor_bytes=per_device)
     snap.top = top
+    if tensors:
+        from cuda_magic.devices.simulated import active_device
+
+        snap.kind_bytes = bytes_by_kind(records, reading.devices, active_device())
     return snap

@@ -10,6 +10,7 @@ import sys
 import types
 from itertools import chain
 
+from cuda_magic.memory.kinds import KindMarker, subclasses
 from cuda_magic.memory.records import TensorRecord
 from cuda_magic.paths import PACKAGE_DIR
 from cuda_magic.memory.reach import saved_attrs
@@ -31,13 +32,13 @@ GRAPH_SUFFIX = " (its graph)"
 
 
 def tensor_types(torch) -> frozenset:
-    found, stack = set(), [torch.Tensor]
-    while stack:
-        cls = stack.pop()
-        if cls not in found:
-            found.add(cls)
-            stack.extend(cls.__subclasses__())
-    return frozenset(found)
+    return subclasses(torch.Tensor)
+
+
+def new_record(t, storage, kind: str = "other") -> TensorRecord:
+    """The record of a storage found through a tensor that the gc pass did not see."""
+    return TensorRecord(storage._cdata, [], tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
+                        int(storage.nbytes()), False, 1, kind)
 
 
 class _Namer:
@@ -53,8 +54,8 @@ class _Namer:
         self.param_names: dict[int, str] = {}
         self.optimizers: list[tuple[str, object]] = []
         self.truncated = False
-        self.keys: set[int] = set(by_id.values())
         self.records = records if records is not None else {}
+        self.keys: set[int] = set(by_id.values()) | set(self.records)
         self.graph_seen: set[int] = set()
         self.graph_nodes = 0
 
@@ -95,9 +96,7 @@ class _Namer:
                         if key not in self.keys:
                             # held only inside the graph (no Python object for the gc scan to find)
                             self.keys.add(key)
-                            self.records[key] = TensorRecord(
-                                key, [], tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
-                                int(storage.nbytes()), False, 1)
+                            self.records[key] = new_record(t, storage, kind="activations")
                         self._name(key, name)
             stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
 
@@ -245,7 +244,19 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     if torch is None:
         return [], {}, []
     ttypes = tensor_types(torch)
-    tensors = [o for o in gc.get_objects() if type(o) in ttypes]
+    otypes = subclasses(torch.optim.Optimizer)
+    mtypes = subclasses(torch.nn.Module)
+    wanted = ttypes | otypes | mtypes
+    found = [o for o in gc.get_objects() if type(o) in wanted]
+    tensors = [o for o in found if type(o) in ttypes]
+    optimizers = [o for o in found if type(o) in otypes]
+    modules = [o for o in found if type(o) in mtypes]
+    del found
+    ptypes = frozenset(t for t in ttypes if issubclass(t, torch.nn.Parameter))
+    params: list[int] = []       # storage keys under nn.Parameter objects
+    leaves: list = []            # leaf tensors that require grad: their .grad is a gradient
+    roots: list = []             # grad_fn of tensors that carry a graph
+    graph_keys: list[int] = []
     by_id: dict[int, int] = {}
     records: dict[int, TensorRecord] = {}
     strided = torch.strided
@@ -260,6 +271,15 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             continue   # sparse, nested and other tensors without one plain storage
         key = storage._cdata
         by_id[id(t)] = key
+        if type(t) in ptypes:
+            params.append(key)
+        if t.requires_grad:
+            grad_fn = t.grad_fn
+            if grad_fn is None:
+                leaves.append(t)
+            else:
+                roots.append(grad_fn)
+                graph_keys.append(key)
         rec = records.get(key)
         if rec is None:
             dtype, dev = t.dtype, t.device
@@ -277,8 +297,24 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             if t._base is None:
                 rec.shape = tuple(t.shape)
     del tensors
-    names: dict[int, list[str]] = {}
     notes: list[str] = []
+    marker = KindMarker(torch, records, new_record, saved_attrs)
+    for key in params:
+        marker.parameter(key)
+    for t in leaves:
+        marker.leaf(t)
+    for opt in optimizers:
+        marker.optimizer(opt)
+    for mod in modules:
+        marker.module(mod)
+    for key in graph_keys:
+        marker.carries_graph(key)
+    marker.graphs(roots)
+    del leaves, optimizers, modules, roots
+    if marker.truncated:
+        notes.append("by kind: the walk of autograd graphs stopped after "
+                     f"{marker.graph_nodes} nodes; some activations may count as other tensors")
+    names: dict[int, list[str]] = {}
     if records:
         namer = _Namer(torch, by_id, names, records)
         if namespace is not None:
@@ -301,6 +337,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             tb = tb.tb_next
         if namer.truncated:
             notes.append(f"names: the namespace walk stopped after {MAX_VISITS} objects; some names are missing")
+    marker.apply()
     per_device: dict[str, int] = {}
     result = []
     for key, rec in records.items():

@@ -24,16 +24,19 @@ class TensorRecord:
     nbytes: int                   # the storage's bytes
     grad_fn: bool                 # whether a tensor on it carries an autograd graph
     views: int = 1                # how many live tensors were found on this storage
+    kind: str = "other"           # memory.kinds.KINDS: what reaches it (parameter, gradient, ...)
 
     def as_row(self) -> dict:
         return {
             "names": ", ".join(self.names) if self.names else "(unnamed)",
             "shape": tuple(self.shape), "dtype": self.dtype, "device": self.device,
             "bytes": self.nbytes, "grad_fn": self.grad_fn, "views": self.views,
+            "kind": self.kind,
         }
 
 
-TENSOR_COLUMNS = ("names", "shape", "dtype", "device", "bytes", "grad_fn", "views")
+TENSOR_COLUMNS = ("names", "shape", "dtype", "device", "bytes", "grad_fn", "views", "kind")
+BY_KIND_COLUMNS = ("device", "kind", "bytes")
 DEVICE_COLUMNS = ("device", "name", "kind", "capacity", *PARTS, "peak", "peak_exact")
 
 
@@ -49,6 +52,7 @@ class Snapshot(Rendered):
     tensor_count: int = 0                    # distinct storages found (tensor_list may be cut to top N)
     tensor_bytes: dict[str, int] = field(default_factory=dict)  # per device key, all storages found
     top: int = 10                            # how many of tensor_list to display
+    kind_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # device key -> kind -> bytes
 
     @property
     def devices(self):
@@ -61,6 +65,16 @@ class Snapshot(Rendered):
         import pandas as pd
 
         return pd.DataFrame([t.as_row() for t in self.tensor_list], columns=list(TENSOR_COLUMNS))
+
+    @property
+    def by_kind(self):
+        """Bytes per device and kind (memory.kinds.KINDS, then 'unseen' where allocated exceeds them)."""
+        import pandas as pd
+
+        shown = [d.key for d in self.device_list]
+        rows = [{"device": key, "kind": kind, "bytes": nbytes}
+                for key in shown for kind, nbytes in self.kind_bytes.get(key, {}).items()]
+        return pd.DataFrame(rows, columns=list(BY_KIND_COLUMNS))
 
     def device(self, key: str) -> DeviceMemory | None:
         for d in self.device_list:
@@ -119,7 +133,12 @@ class CellRecord:
     peak_exact: bool                         # False: the operating system's figure
     duration: float                          # seconds
     device: str                              # device key the figures are for
+    allocated_after: int | None = None       # allocated bytes when the cell ended
 
     def as_row(self) -> dict:
         return {"cell": self.cell, "device": self.device, "allocated_delta": self.allocated_delta,
-                "peak": self.peak, "peak_exact": self.peak_exact, "duration": self.duration}
+                "allocated_after": self.allocated_after, "peak": self.peak, "peak_exact": self.peak_exact,
+                "duration": self.duration}
+
+
+CELL_COLUMNS = ("cell", "device", "allocated_delta", "allocated_after", "peak", "peak_exact", "duration")

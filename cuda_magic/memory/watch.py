@@ -97,7 +97,7 @@ class CellWatcher:
             delta = (after - before) if after is not None and before is not None else None
             record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
-                                device=key)
+                                device=key, allocated_after=after)
             self.records.append(record)
             if self.on_record is not None:
                 self.on_record(record)
