@@ -113,6 +113,7 @@ class GuardHandle:
         self.attempts = list(report.attempts)
         self.widget = None
         self.display = None
+        self.gauge = None            # a display.gauge.LiveGauge while the cell runs, if one was started
         if quiet:
             return
         if current_shell() is None:
@@ -157,6 +158,7 @@ class GuardHandle:
 
     def finish(self, report) -> None:
         """The cell is done: show the whole report in place of the running view."""
+        self.stop_gauge()
         self.report = report
         self.attempts = list(report.attempts)
         if self.quiet:
@@ -170,6 +172,13 @@ class GuardHandle:
             from cuda_magic.display.text import guard_text
 
             print(guard_text(report), flush=True)
+
+
+    def stop_gauge(self) -> None:
+        """Stop and join the live gauge's thread, if one runs."""
+        gauge, self.gauge = self.gauge, None
+        if gauge is not None:
+            gauge.stop()
 
 
 def show_guard(report, *, quiet: bool = False, form: str | None = None) -> GuardHandle:

@@ -157,8 +157,11 @@ class GuardWidget(RecordWidget):
         self.diagnosis = with_classes(widgets.HTML(), "cuda-magic-diagnosis")
         self.reclaimed = with_classes(widgets.HTML(), "cuda-magic-reclaimed")
         self.warnings = widgets.HTML()
+        # the live gauge (display.gauge) draws here while the cell runs; hidden until it first draws
+        self.gauge = with_classes(widgets.HTML(layout=widgets.Layout(display="none")), "cuda-magic-gauge-widget")
         self.widget = with_classes(
-            widgets.VBox([self.title, self.levels, self.attempts, self.diagnosis, self.reclaimed, self.warnings],
+            widgets.VBox([self.title, self.levels, self.gauge, self.attempts, self.diagnosis, self.reclaimed,
+                          self.warnings],
                          layout=widgets.Layout(max_width="860px")),
             "cuda-magic-widget")
         self.update(report, running)

@@ -10,17 +10,19 @@ from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_
 # %gpumem is a snapshot by default, or one of these commands. Each takes only the flags listed for it:
 # any other flag would be silently ignored, so giving it is a UsageError, raised before anything changes.
 SNAPSHOT = "the snapshot"
-COMMANDS = ("--watch", "--unwatch", "--history")
+COMMANDS = ("--watch", "--unwatch", "--history", "--live")
 TAKES = {
     SNAPSHOT: {"-n", "-d", "--processes", "--diff", "-o", "-q", "--simulate"},
     "--watch": {"-q", "--simulate"},
     "--unwatch": {"-q", "--simulate"},
     "--history": {"-o", "-q", "--simulate"},
+    "--live": {"-d", "-q", "--simulate"},
 }
 WHAT = {
     "--watch": "--watch only switches the per-cell line on",
     "--unwatch": "--unwatch only switches the per-cell line off",
     "--history": "--history shows the --watch records of every device (-o: as a DataFrame)",
+    "--live": "--live only switches the gauge on or off (-d: of that device)",
 }
 # within the snapshot: --diff shows what changed, not the largest tensors nor the processes
 APART = {("--diff", "-n"): "--diff lists the tensors that appeared and went, not the N largest",
@@ -31,7 +33,8 @@ def given_flags(args) -> list[str]:
     """The flags given on the line, in the order of the usage line."""
     given = {"-n": args.top is not None, "-d": args.device is not None, "--processes": args.processes,
              "--diff": args.diff, "--watch": args.watch, "--unwatch": args.unwatch,
-             "--history": args.history, "--simulate": args.simulate is not None, "-o": args.output,
+             "--history": args.history, "--live": args.live is not None,
+             "--simulate": args.simulate is not None, "-o": args.output,
              "-q": args.quiet}
     return [flag for flag, on in given.items() if on]
 
@@ -62,6 +65,7 @@ class GpumemMagics(Magics):
     @argument("--watch", action="store_true", help="after every cell, one line: its change in allocated memory, exact peak, duration")
     @argument("--unwatch", action="store_true", help="stop --watch")
     @argument("--history", action="store_true", help="the per-cell records of --watch as a table and a chart of allocated-after and peak per cell")
+    @argument("--live", nargs="?", const="on", default=None, metavar="on|off", help="a gauge of the device in its own output, updating across cells until --live off (notebooks only)")
     @argument("--simulate", default=None, metavar="SIZE|off", help="a simulated device of that capacity for the rest of the session, or off")
     @argument("-o", dest="output", action="store_true", help="return the snapshot object")
     @argument("-q", dest="quiet", action="store_true", help="display nothing")
@@ -70,6 +74,8 @@ class GpumemMagics(Magics):
         """Show where GPU memory is: each device's capacity split into parts, then the largest tensors."""
         args = parse_args(self.gpumem, line)
         command = command_of(args)
+        if args.live is not None and args.live.strip().lower() not in ("on", "off"):
+            raise UsageError(f"--live takes on or off (or nothing: on), not {args.live!r}")
         top = parse_count(args.top) if args.top is not None else 10
         simulate = None
         if args.simulate is not None:
@@ -80,6 +86,8 @@ class GpumemMagics(Magics):
 
         if args.simulate is not None:
             self._simulate(state, simulate, args.quiet)
+        if command == "--live":
+            return self._live(state, args.live.strip().lower() == "on", args.device, args.quiet)
         if command in ("--watch", "--unwatch"):
             return self._watch(state, command == "--watch", args.quiet)
         if command == "--history":
@@ -113,6 +121,28 @@ class GpumemMagics(Magics):
                 print("No GPU processes listed" + ("." if any(d.kind == "cuda" for d in snap.device_list)
                                                    else ": no NVML GPU here."))
         return snap if args.output else None
+
+    def _live(self, state, on: bool, device, quiet: bool):
+        was_on = state.live is not None
+        state.stop_live()
+        if not on:
+            if not quiet:
+                print("Live gauge off." if was_on else "No live gauge was on.")
+            return None
+        from cuda_magic.devices.gauge_reader import GaugeReader
+        from cuda_magic.devices.meter import choose_meter
+        from cuda_magic.display.gauge import LiveGauge, gauge_possible, own_view
+
+        if not gauge_possible():
+            print("No live gauge here: it needs a notebook (a Jupyter kernel); terminal IPython shows none.")
+            return None
+        if device is not None:
+            from cuda_magic.devices.backends import read_devices
+
+            device = parse_device(device, [d.key for d in read_devices().devices])
+        meter, _ = choose_meter(device)
+        state.live = LiveGauge(GaugeReader(meter), own_view(), delay=0.0).start()
+        return None
 
     def _simulate(self, state, capacity, quiet: bool) -> None:
         from cuda_magic.units import format_bytes

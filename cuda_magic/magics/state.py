@@ -1,6 +1,6 @@
 """What the extension turned on in one shell, kept on its Magics objects so that it lives and dies with
 them: `%load_ext` makes one ExtensionState and gives it to the three Magics objects it registers; unload
-stops exactly what this shell started (its watcher, `%oomguard on`, its simulated device)."""
+stops exactly what this shell started (its watcher, `%oomguard on`, its simulated device, its live gauge)."""
 from __future__ import annotations
 
 
@@ -12,6 +12,7 @@ class ExtensionState:
         self.last_snapshot = None           # for --diff
         self.guard_all = None               # guard_all.GuardAll while `%oomguard on`
         self.simulated = None               # the SimulatedDevice `%gpumem --simulate` started here
+        self.live = None                    # display.gauge.LiveGauge while `%gpumem --live` is on
 
     @property
     def history(self) -> list:
@@ -35,7 +36,14 @@ class ExtensionState:
         dev.forget()
         return True
 
+    def stop_live(self) -> None:
+        """Stop the `%gpumem --live` gauge and join its thread, leaving its last reading shown."""
+        live, self.live = self.live, None
+        if live is not None:
+            live.stop(hide=False)
+
     def stop_all(self) -> None:
+        self.stop_live()
         if self.watcher is not None:
             self.watcher.stop()
         if self.guard_all is not None:

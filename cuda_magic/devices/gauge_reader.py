@@ -1,0 +1,98 @@
+"""What the live gauge reads: counters only, from a thread, never allocating on the device.
+
+- the simulated device: its int counters;
+- CUDA: one `torch.cuda.memory_stats_as_nested_dict(i)` per reading (the allocator's own statistics,
+  read without allocating and without starting CUDA: torch answers {} before it is initialised), and
+  NVML's process list for what other processes hold, at most every `nvml_every` seconds;
+- the CPU: the process's resident memory and its high-water mark from /proc.
+Each reading is a small record of ints; what cannot be read is None.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class GaugeReading:
+    """The metered device at one moment. Bytes; None where not known."""
+
+    key: str                          # 'cuda:0', 'sim:0', 'cpu'
+    allocated: int | None
+    reserved: int | None
+    peak: int | None                  # since the cell (or the gauge) started
+    capacity: int | None
+    other_processes: int | None = None
+    peak_exact: bool = True
+    seconds: float = 0.0              # since the gauge started
+
+    def figures(self) -> tuple:
+        """What the gauge shows; equal figures need no new frame."""
+        return (self.allocated, self.reserved, self.peak, self.capacity, self.other_processes)
+
+
+class GaugeReader:
+    """Reads one meter's counters (devices.meter: SimMeter, CudaMeter, CpuMeter). Call `read()` from the
+    gauge's thread; it holds the GIL only for a few dictionary lookups and int reads."""
+
+    def __init__(self, meter, *, nvml_every: float = 2.0):
+        self.meter = meter
+        self.key = meter.key
+        self.nvml_every = nvml_every
+        self.started = time.monotonic()
+        self._other = None
+        self._other_at = None
+        self._capacity = _capacity(meter)
+        self._cuda = meter.key.startswith("cuda")
+
+    def read(self) -> GaugeReading:
+        now = time.monotonic()
+        if self._cuda:
+            allocated, reserved, peak = self._cuda_counters()
+            other = self._other_processes(now)
+        else:
+            allocated, reserved, peak = self.meter.allocated(), self.meter.reserved(), self.meter.peak()
+            other = None
+        capacity = self._capacity
+        if self.key.startswith("sim"):
+            capacity = self.meter.capacity()      # `-l` lowers it for the run
+        return GaugeReading(self.key, allocated, reserved, peak, capacity, other, self.meter.exact,
+                            now - self.started)
+
+    def _cuda_counters(self):
+        stats = self.meter.torch.cuda.memory_stats_as_nested_dict(self.meter.index)
+        if not stats:                             # CUDA not started yet: nothing allocated
+            return 0, 0, 0
+
+        def pick(name, which):
+            try:
+                return int(stats[name]["all"][which])
+            except (KeyError, TypeError):
+                return None
+
+        return (pick("allocated_bytes", "current"), pick("reserved_bytes", "current"),
+                pick("allocated_bytes", "peak"))
+
+    def _other_processes(self, now: float) -> int | None:
+        if self._other_at is not None and now - self._other_at < self.nvml_every:
+            return self._other
+        self._other_at = now
+        from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
+
+        nvml = get_nvml()
+        devices = visible_nvml_devices(nvml) if nvml.start() else []
+        index = self.meter.index
+        if index >= len(devices) or not devices[index].processes_known:
+            self._other = None
+        else:
+            me = os.getpid()
+            self._other = sum(used or 0 for pid, used in devices[index].processes if pid != me)
+        return self._other
+
+
+def _capacity(meter) -> int | None:
+    try:
+        return meter.capacity()
+    except (RuntimeError, AssertionError, OSError):   # a capacity the backend cannot give
+        return None

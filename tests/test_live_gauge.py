@@ -1,0 +1,139 @@
+"""The live gauge: a daemon thread that reads counters and redraws a widget, joined when stopped; nothing
+in terminal IPython. The kernel tests run it in a real Jupyter kernel (nbclient)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from conftest import run_ok
+from IPython.core.error import UsageError
+
+from cuda_magic.devices.gauge_reader import GaugeReader
+from cuda_magic.devices.meter import SimMeter
+from cuda_magic.devices.simulated import SimulatedDevice
+from cuda_magic.display.gauge import THREAD_NAME, LiveGauge, WidgetView, gauge_html, gauge_text
+
+MiB = 1 << 20
+
+
+def gauge_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def test_the_gauge_follows_the_counters_and_leaves_no_thread(torch_warm):
+    ipywidgets = pytest.importorskip("ipywidgets")
+    torch = torch_warm
+    w = ipywidgets.HTML()
+    dev = SimulatedDevice(1 << 30)
+    seen = []
+    with dev:
+        gauge = LiveGauge(GaugeReader(SimMeter(dev)), WidgetView(w), delay=0.05, interval=0.02).start()
+        assert len(gauge_threads()) == 1
+        keep = []
+        for _ in range(40):
+            keep.append(torch.zeros(MiB // 4))
+            threading.Event().wait(0.01)
+            if w.value and w.value not in seen:
+                seen.append(w.value)
+        gauge.stop()
+    assert gauge_threads() == []
+    assert gauge.updates >= 3 and len(seen) >= 2          # the figure changed while the loop allocated
+    assert w.layout.display == "none"                      # hidden once stopped: the report takes its place
+    assert "cuda-magic-gauge-allocated" in w.value and "capacity" in w.value
+    reading = GaugeReader(SimMeter(dev)).read()
+    assert (reading.allocated, reading.peak, reading.capacity) == (40 * MiB, 40 * MiB, 1 << 30)
+    assert gauge_text(reading) == ("[live] sim:0: allocated 40.00 MiB, reserved 40.00 MiB, "
+                                   "peak so far 40.00 MiB, capacity 1.00 GiB")
+    assert 0 < gauge.cpu_seconds < 1.0
+
+
+def test_a_short_cell_pays_only_for_the_thread(torch_warm):
+    ipywidgets = pytest.importorskip("ipywidgets")
+    w = ipywidgets.HTML()
+    dev = SimulatedDevice(1 << 30)
+    gauge = LiveGauge(GaugeReader(SimMeter(dev)), WidgetView(w), delay=1.0).start()
+    gauge.stop()
+    assert gauge.readings == 0 and w.value == "" and gauge_threads() == []
+
+
+def test_a_failing_reader_stops_the_gauge_with_a_warning_not_a_traceback(torch_warm):
+    ipywidgets = pytest.importorskip("ipywidgets")
+
+    class Gone:
+        def read(self):
+            raise OSError("the device went away")
+
+    gauge = LiveGauge(Gone(), WidgetView(ipywidgets.HTML()), delay=0.0).start()
+    threading.Event().wait(0.1)
+    with pytest.warns(UserWarning, match="live gauge stopped: OSError: the device went away"):
+        gauge.stop()
+    assert gauge_threads() == []
+
+
+def test_the_html_form_marks_the_peak_and_splits_the_capacity():
+    from cuda_magic.devices.gauge_reader import GaugeReading
+
+    html = gauge_html(GaugeReading("cuda:0", 2 * MiB, 3 * MiB, 5 * MiB, 10 * MiB, other_processes=MiB))
+    assert 'cuda-magic-part-torch_allocated" style="width:20.0%' in html
+    assert 'cuda-magic-part-torch_cached" style="width:10.0%' in html
+    assert 'cuda-magic-part-other_processes" style="width:10.0%' in html
+    assert 'title="peak so far 5.00 MiB" style="position:absolute;left:50.0%' in html
+    assert "other processes <b" in html and "<script" not in html
+
+
+def test_terminal_ipython_shows_no_gauge(ip, capsys):
+    ip.run_line_magic("gpumem", "--live")
+    assert "No live gauge here" in capsys.readouterr().out
+    assert gauge_threads() == []
+    ip.run_line_magic("gpumem", "--live off")
+    assert "No live gauge was on" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--live takes on or off"):
+        ip.run_line_magic("gpumem", "--live sometimes")
+
+
+# ---- in a real kernel ------------------------------------------------------------------------------
+
+THREADS = "import threading\nprint(sorted(t.name for t in threading.enumerate()))"
+ALLOCATE = """
+import time
+keep = []
+for i in range(25):                     # about 2.5 seconds, allocating as it goes
+    keep.append(torch.zeros(2**18))
+    time.sleep(0.1)
+"""
+
+
+def run_in_kernel(cells: list[str], env: dict | None = None):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    setup = "import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in (env or {}).items())
+    setup += "os.environ.pop('CUDA_MAGIC_DISPLAY', None)\n" if not env or "CUDA_MAGIC_DISPLAY" not in env else ""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in [setup, *cells]])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": root}},
+                            record_timing=False).execute()
+    return nb
+
+
+def widget_values(nb) -> list[str]:
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    return [m["state"].get("value", "") for m in state.values() if m.get("model_name") == "HTMLModel"]
+
+
+def printed(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+def test_gpumem_live_updates_across_cells_in_a_kernel_and_off_joins_its_thread():
+    nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
+                        "%gpumem --live", ALLOCATE, THREADS, "%gpumem --live off", THREADS,
+                        "%gpumem --live\n%unload_ext cuda_magic", THREADS])
+    gauges = [v for v in widget_values(nb) if "cuda-magic-gauge" in v]
+    assert gauges and all("sim:0" in v for v in gauges)
+    assert "6.25 MiB" in gauges[0]                  # what the allocating cell had made by its end
+    assert THREAD_NAME in printed(nb.cells[4])                     # on across cells
+    assert "Live gauge off." in printed(nb.cells[5])
+    assert THREAD_NAME not in printed(nb.cells[6])                 # `off` joined it
+    assert THREAD_NAME not in printed(nb.cells[8])                 # unloading joined it
