@@ -24,7 +24,7 @@ class GaugeReading:
     peak: int | None                  # since the cell (or the gauge) started
     capacity: int | None
     other_processes: int | None = None
-    peak_exact: bool = True
+    peak_exact: bool = True           # False on the CPU: the operating system's resident high-water mark
     seconds: float = 0.0              # since the gauge started
 
     def figures(self) -> tuple:
@@ -57,7 +57,7 @@ class GaugeReader:
         capacity = self._capacity
         if self.key.startswith("sim"):
             capacity = self.meter.capacity()      # `-l` lowers it for the run
-        return GaugeReading(self.key, allocated, reserved, peak, capacity, other, self.meter.exact,
+        return GaugeReading(self.key, allocated, reserved, peak, capacity, other, self.key != "cpu",
                             now - self.started)
 
     def _cuda_counters(self):
