@@ -2,6 +2,7 @@
 in terminal IPython. The kernel tests run it in a real Jupyter kernel (nbclient)."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -81,6 +82,12 @@ def test_the_html_form_marks_the_peak_and_splits_the_capacity():
     assert "other processes <b" in html and "<script" not in html
 
 
+def test_live_with_another_action_is_a_usage_error(ip):
+    for other in ("--watch", "--history", "--diff", "-o"):
+        with pytest.raises(UsageError, match="--live goes with -d, --simulate and -q only"):
+            ip.run_line_magic("gpumem", f"--live {other}")
+
+
 def test_terminal_ipython_shows_no_gauge(ip, capsys):
     ip.run_line_magic("gpumem", "--live")
     assert "No live gauge here" in capsys.readouterr().out
@@ -95,10 +102,9 @@ def test_terminal_ipython_shows_no_gauge(ip, capsys):
 
 THREADS = "import threading\nprint(sorted(t.name for t in threading.enumerate()))"
 ALLOCATE = """
-import time
 keep = []
 for i in range(25):                     # about 2.5 seconds, allocating as it goes
-    keep.append(torch.zeros(2**18))
+    keep.append(torch.zeros(2**18))      # 1 MiB
     time.sleep(0.1)
 """
 
@@ -109,7 +115,7 @@ def run_in_kernel(cells: list[str], env: dict | None = None):
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
-    setup = "import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in (env or {}).items())
+    setup = "import os, time\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in (env or {}).items())
     setup += "os.environ.pop('CUDA_MAGIC_DISPLAY', None)\n" if not env or "CUDA_MAGIC_DISPLAY" not in env else ""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in [setup, *cells]])
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": root}},
@@ -117,23 +123,30 @@ def run_in_kernel(cells: list[str], env: dict | None = None):
     return nb
 
 
-def widget_values(nb) -> list[str]:
-    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    return [m["state"].get("value", "") for m in state.values() if m.get("model_name") == "HTMLModel"]
-
-
 def printed(cell) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
 
 
+LIVE_VALUE = """
+live = get_ipython().magics_manager.registry["GpumemMagics"].live
+print("updates", live.updates, "running", live.running)
+print(live.view.widget.value)
+"""
+
+
 def test_gpumem_live_updates_across_cells_in_a_kernel_and_off_joins_its_thread():
     nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
-                        "%gpumem --live", ALLOCATE, THREADS, "%gpumem --live off", THREADS,
-                        "%gpumem --live\n%unload_ext cuda_magic", THREADS])
-    gauges = [v for v in widget_values(nb) if "cuda-magic-gauge" in v]
-    assert gauges and all("sim:0" in v for v in gauges)
-    assert "6.25 MiB" in gauges[0]                  # what the allocating cell had made by its end
-    assert THREAD_NAME in printed(nb.cells[4])                     # on across cells
-    assert "Live gauge off." in printed(nb.cells[5])
-    assert THREAD_NAME not in printed(nb.cells[6])                 # `off` joined it
-    assert THREAD_NAME not in printed(nb.cells[8])                 # unloading joined it
+                        "%gpumem --live", ALLOCATE, "time.sleep(0.5)", LIVE_VALUE, THREADS, "%gpumem --live off",
+                        THREADS, "%gpumem --live\n%unload_ext cuda_magic", THREADS])
+    shown = [o for o in nb.cells[2].outputs if o.get("output_type") == "display_data"]
+    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" in shown[0]["data"]
+    # the widget the `--live` cell shows, as the gauge's thread left it after later cells ran (what the
+    # frontend receives of it, through the widget's comm, the browser test checks)
+    state = printed(nb.cells[5])
+    assert "running True" in state and int(state.split()[1]) >= 3
+    assert "cuda-magic-gauge" in state and "sim:0" in state
+    assert re.search(r"cuda-magic-gauge-allocated\">([^<]*)<", state).group(1) == "25.00 MiB"  # what the allocating cell made
+    assert THREAD_NAME in printed(nb.cells[6])                      # on across cells
+    assert "Live gauge off." in printed(nb.cells[7])
+    assert THREAD_NAME not in printed(nb.cells[8])                  # `off` joined it
+    assert THREAD_NAME not in printed(nb.cells[10])                 # unloading joined it

@@ -205,13 +205,17 @@ class LiveGauge:
             self.cpu_seconds = time.thread_time() - t0
 
     def stop(self, *, hide: bool = True) -> None:
-        """Stop and join the thread; then hide the gauge (a report usually takes its place)."""
+        """Stop and join the thread; then hide the gauge (a report usually takes its place), or leave it
+        showing one last reading, taken now."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        if hide and self.updates:
-            self.view.hide()
+        if self.updates and self.error is None:
+            if hide:
+                self.view.hide()
+            else:
+                self.view.show(self.reader.read())
         if self.error is not None:
             error, self.error = self.error, None
             warnings.warn(f"cuda_magic's live gauge stopped: {type(error).__name__}: {error}", stacklevel=2)

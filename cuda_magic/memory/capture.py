@@ -32,5 +32,13 @@ def snapshot(shell=None, *, top: int = 10, tensors: bool = True) -> Snapshot:
     if tensors:
         from cuda_magic.devices.simulated import active_device
 
-        snap.kind_bytes = bytes_by_kind(records, reading.devices, active_device())
+        snap.kind_bytes = bytes_by_kind(records, {d.key: d.torch_allocated for d in reading.devices},
+                                        active_device())
     return snap
+
+
+def kinds_on(key: str, *, allocated: int | None = None, simulated=None) -> dict[str, int]:
+    """PyTorch's tensors on one device by kind, now (memory.kinds): what an out-of-memory report shows
+    of the moment it failed. No names are looked up. `simulated`: the SimulatedDevice behind `key`."""
+    records, _, _ = take_census(None, with_names=False)
+    return bytes_by_kind(records, {key: allocated}, simulated)[key]

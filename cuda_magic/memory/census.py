@@ -232,8 +232,11 @@ def _machinery_dirs() -> tuple[str, ...]:
     return tuple(d + os.sep for d in dirs)
 
 
-def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dict | None = None):
+def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dict | None = None,
+                with_names: bool = True):
     """Live storages (largest first) with the names that reach them, and bytes per device.
+
+    `with_names=False`: find and class the storages (by kind), but look up no names.
 
     `namespace`: the user's own variables (`ipython.user_variables`: IPython's names left out by the one
     rule that `%freecuda` follows too); `out_cache`: the output cache, whose entries are named `Out[N]`.
@@ -315,7 +318,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         notes.append("by kind: the walk of autograd graphs stopped after "
                      f"{marker.graph_nodes} nodes; some activations may count as other tensors")
     names: dict[int, list[str]] = {}
-    if records:
+    if records and with_names:
         namer = _Namer(torch, by_id, names, records)
         if namespace is not None:
             for var, value in list(namespace.items()):

@@ -141,17 +141,15 @@ def device_of_record(tensor_device: str) -> str:
     return f"{kind}:{index or 0}"
 
 
-def bytes_by_kind(records, devices, simulated=None) -> dict[str, dict[str, int]]:
-    """{device key: {kind: bytes}} for `devices` (DeviceMemory records): each storage once per device,
-    every kind present (0 where none), and UNSEEN where the device's allocated bytes exceed what was found.
+def bytes_by_kind(records, allocated: dict[str, int | None], simulated=None) -> dict[str, dict[str, int]]:
+    """{device key: {kind: bytes}} for the devices keyed in `allocated` (device key -> PyTorch's allocated
+    bytes there, None where unknown): each storage once per device, every kind present (0 where none), and
+    UNSEEN where the allocated bytes exceed what was found.
 
-    `simulated`: the session's SimulatedDevice, whose device counts the storages it tracks (CPU storages,
-    which the CPU's row counts too).
+    `simulated`: a SimulatedDevice, whose key counts the storages it tracks (CPU storages, which the CPU's
+    key counts too).
     """
-    out: dict[str, dict[str, int]] = {}
-    keys = {d.key for d in devices}
-    for key in keys:
-        out[key] = dict.fromkeys(KINDS, 0)
+    out = {key: dict.fromkeys(KINDS, 0) for key in allocated}
     sim_key = simulated.key if simulated is not None else None
     for rec in records:
         key = device_of_record(rec.device)
@@ -159,8 +157,8 @@ def bytes_by_kind(records, devices, simulated=None) -> dict[str, dict[str, int]]
             out[key][rec.kind] += rec.nbytes
         if sim_key in out and simulated.counts(rec.storage_id):
             out[sim_key][rec.kind] += rec.nbytes
-    for dev in devices:
-        found = sum(out[dev.key].values())
-        if dev.torch_allocated is not None and dev.torch_allocated > found:
-            out[dev.key][UNSEEN] = dev.torch_allocated - found
+    for key, total in allocated.items():
+        found = sum(out[key].values())
+        if total is not None and total > found:
+            out[key][UNSEEN] = total - found
     return out

@@ -218,13 +218,30 @@ def open_browser(viewport: tuple[int, int] = (1280, 900)) -> Iterator["Page"]:  
             browser.close()
 
 
+def start_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
+    """Open the notebook at `url`, wait for an idle kernel, and start running every cell (returns at
+    once: look at the page while cells run, then `wait_until_finished`)."""
+    timeout_ms = timeout_s * 1000
+    page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
+    page.wait_for_function(_KERNEL_IDLE_JS, timeout=timeout_ms, polling=200)
+    # not awaited: the command's promise settles only once every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def wait_until_finished(page, *, timeout_s: float = 120) -> None:
+    """Return once every cell has finished (none queued, kernel idle) and outputs have rendered."""
+    timeout_ms = timeout_s * 1000
+    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+    page.wait_for_timeout(500)
+    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+
+
 def run_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
     """Open the notebook at `url`, wait for an idle kernel, run every cell, and return once
     every cell has finished (none queued, kernel idle)."""
     timeout_ms = timeout_s * 1000
-    page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
-    page.wait_for_function(_KERNEL_IDLE_JS, timeout=timeout_ms, polling=200)
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    start_all_cells(page, url, timeout_s=timeout_s)
+    page.wait_for_timeout(500)
     page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
     # Outputs (widget views above all) render asynchronously after the kernel reply.
     page.wait_for_timeout(500)
