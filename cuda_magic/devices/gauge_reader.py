@@ -3,7 +3,9 @@
 - the simulated device: its int counters;
 - CUDA: one `torch.cuda.memory_stats_as_nested_dict(i)` per reading (the allocator's own statistics,
   read without allocating and without starting CUDA: torch answers {} before it is initialised), and
-  NVML's process list for what other processes hold, at most every `nvml_every` seconds;
+  NVML's process list for what other processes hold (and the capacity, until torch has started CUDA), at
+  most every `nvml_every` seconds;
+- other GPUs (MPS, XPU): their meter's counters;
 - the CPU: the process's resident memory and its high-water mark from /proc.
 Each reading is a small record of ints; what cannot be read is None.
 """
@@ -12,6 +14,9 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+
+
+APPROXIMATE = ("cpu", "mps")      # peaks from readings (the OS's high-water mark, MPS's highest figure read)
 
 
 @dataclass
@@ -24,7 +29,7 @@ class GaugeReading:
     peak: int | None                  # since the cell (or the gauge) started
     capacity: int | None
     other_processes: int | None = None
-    peak_exact: bool = True           # False on the CPU: the operating system's resident high-water mark
+    peak_exact: bool = True           # False where the device keeps no exact peak counter (APPROXIMATE)
     seconds: float = 0.0              # since the gauge started
 
     def figures(self) -> tuple:
@@ -43,21 +48,25 @@ class GaugeReader:
         self.started = time.monotonic()
         self._other = None
         self._other_at = None
-        self._capacity = _capacity(meter)
+        self._nvml_total = None
         self._cuda = meter.key.startswith("cuda")
+        # CUDA's capacity from device properties would start CUDA: read it once torch has (or from NVML)
+        self._capacity = None if self._cuda else _capacity(meter)
 
     def read(self) -> GaugeReading:
         now = time.monotonic()
         if self._cuda:
             allocated, reserved, peak = self._cuda_counters()
             other = self._other_processes(now)
+            if self._capacity is None and self.meter.torch.cuda.is_initialized():
+                self._capacity = _capacity(self.meter)
         else:
             allocated, reserved, peak = self.meter.allocated(), self.meter.reserved(), self.meter.peak()
             other = None
-        capacity = self._capacity
+        capacity = self._capacity if self._capacity is not None else self._nvml_total
         if self.key.startswith("sim"):
             capacity = self.meter.capacity()      # `-l` lowers it for the run
-        return GaugeReading(self.key, allocated, reserved, peak, capacity, other, self.key != "cpu",
+        return GaugeReading(self.key, allocated, reserved, peak, capacity, other, self.key not in APPROXIMATE,
                             now - self.started)
 
     def _cuda_counters(self):
@@ -83,6 +92,8 @@ class GaugeReader:
         nvml = get_nvml()
         devices = visible_nvml_devices(nvml) if nvml.start() else []
         index = self.meter.index
+        if index < len(devices) and self._capacity is None:
+            self._nvml_total = devices[index].total
         if index >= len(devices) or not devices[index].processes_known:
             self._other = None
         else:
