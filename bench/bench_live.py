@@ -41,14 +41,14 @@ def workload(seconds):
         time.sleep(0.1)
 
 def measure(variant, seconds):
-    magics = get_ipython().magics_manager.registry["GpumemMagics"]
+    state = get_ipython().magics_manager.registry["GpumemMagics"].cuda_magic_state
     if variant == "html":
         os.environ["CUDA_MAGIC_DISPLAY"] = "html"
     else:
         os.environ.pop("CUDA_MAGIC_DISPLAY", None)
     if variant != "baseline":
         get_ipython().run_line_magic("gpumem", "--live")
-    gauge = magics.live
+    gauge = state.live
     c0, w0 = time.process_time(), time.monotonic()
     workload(seconds)
     cpu, wall = time.process_time() - c0, time.monotonic() - w0

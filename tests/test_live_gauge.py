@@ -84,7 +84,7 @@ def test_the_html_form_marks_the_peak_and_splits_the_capacity():
 
 def test_live_with_another_action_is_a_usage_error(ip):
     for other in ("--watch", "--history", "--diff", "-o"):
-        with pytest.raises(UsageError, match="--live goes with -d, --simulate and -q only"):
+        with pytest.raises(UsageError, match="cannot go together"):
             ip.run_line_magic("gpumem", f"--live {other}")
 
 
@@ -128,7 +128,7 @@ def printed(cell) -> str:
 
 
 LIVE_VALUE = """
-live = get_ipython().magics_manager.registry["GpumemMagics"].live
+live = get_ipython().magics_manager.registry["GpumemMagics"].cuda_magic_state.live
 print("updates", live.updates, "running", live.running)
 print(live.view.widget.value)
 """
