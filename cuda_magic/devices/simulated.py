@@ -250,6 +250,10 @@ class SimulatedDevice:
         """Whether this device counts the storage whose `untyped_storage()._cdata` is `storage_key`."""
         return storage_key in self._live
 
+    def counts_storage(self, key: int) -> bool:
+        """Whether this device counts the storage with this id (`storage._cdata`)."""
+        return key in self._live
+
     def forget(self) -> None:
         """Stop following the storages counted so far (a device that is switched off for good)."""
         with self._lock:

@@ -17,7 +17,7 @@ from cuda_magic.ipython import shell_or_current, user_variables
 from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
-from cuda_magic.memory.reach import SKIP_TYPES, device_storages, holds_device_memory, storage_key_and_bytes
+from cuda_magic.memory.reach import SKIP_TYPES, device_storages, storage_key_and_bytes
 from cuda_magic.recover.report import ReleaseReport
 
 
@@ -95,13 +95,23 @@ def empty_caches() -> None:
 
 # ------------------------------------------------------------------------------ user variables
 
+def held_storages(value) -> dict[int, int]:
+    """{storage id: bytes} of the device memory `value` reaches. With a simulated device standing in for
+    a GPU, only what it counts: a tensor offloaded off it no longer holds device memory."""
+    storages = device_storages(value)
+    sim = active_device()
+    if sim is not None and storages and not has_gpu():
+        storages = {k: b for k, b in storages.items() if sim.counts_storage(k)}
+    return storages
+
+
 def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
     """(variable, bytes) for user variables holding device memory, largest first."""
     held = []
     for name, value in user_variables(shell).items():
         if name in exclude or isinstance(value, SKIP_TYPES):
             continue
-        nbytes = holds_device_memory(value)
+        nbytes = sum(held_storages(value).values())
         if nbytes > 0:
             held.append((name, nbytes))
     held.sort(key=lambda item: (-item[1], item[0]))
@@ -115,7 +125,7 @@ def shared_holders(shell) -> list[tuple[str, int]]:
     for name, value in user_variables(shell).items():
         if isinstance(value, SKIP_TYPES):
             continue
-        storages = device_storages(value)
+        storages = held_storages(value)
         if not storages:
             continue
         overlapping = [g for g in groups if g[1].keys() & storages.keys()]
@@ -168,7 +178,9 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
     for key, used in before.items():
         report.freed[key] = max(0, used - after.get(key, used))
     if not has_gpu():
-        report.notes.append("no GPU: the CPU is the device (CPU tensors are counted)")
+        report.notes.append("no GPU: the simulated device stands in for one (the tensors it counts are listed)"
+                            if active_device() is not None else
+                            "no GPU: the CPU is the device (CPU tensors are counted)")
     report.still_held = device_holders(shell)
     return report
 
