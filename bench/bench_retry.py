@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/bench_retry.py [--tensors N]
 
-Policies: (a) halving, what `%%oomguard -r VAR` does; (b) halving then bisection to the exact maximum, the
-naive search; (c) `%%oomguard -r VAR --search` (cuda_magic.recover.retry.BatchSearch); (d) accelerate's
+Policies: (a) `%%oomguard -r VAR`: a value predicted from the failure, less a margin; (b) halving then
+bisection to the exact maximum, the naive search; (c) `%%oomguard -r VAR --search` (cuda_magic.recover.retry.BatchSearch); (d) accelerate's
 `find_executable_batch_size` (multiplies by 0.9 on each OOM; skipped with a note where accelerate is not
 installed: it is not a dependency of cuda_magic).
 
+The policies alone: the training cell as users run it (with the rollback) is bench_retry_training.py.
 `run_table(make_runner)` takes a factory of runners, so the memory model here can be swapped for a real
 device: `make_runner()` returns a fresh runner with `.maximum` (largest value that fits), `.capacity`
 (bytes) and `runner(value) -> Outcome`.
@@ -100,7 +101,7 @@ class SimRunner:
         return lo
 
 
-def halving(runner, start: int) -> tuple[int, int | None]:
+def retry(runner, start: int) -> tuple[int, int | None]:
     """(attempts, value found) for `%%oomguard -r VAR`."""
     return _drive(BatchSearch(start, search=False), runner)
 
@@ -171,7 +172,7 @@ def accelerate_search(runner, start: int) -> tuple[int, int | None] | None:
 
 
 POLICIES = {
-    "halving": halving,
+    "`-r`": retry,
     "halving + bisection": halving_then_bisection,
     "--search": oomguard_search,
     "accelerate": accelerate_search,

@@ -244,7 +244,7 @@ def _batch(ctx):
         return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx['batch']} "
                       f"until it fits and raises {ctx['accum']} so that the effective batch stays the same.", line)
     line = f"%%oomguard -r {ctx['batch']} -a {ctx['accum']}"
-    return Advice(f"Use a smaller batch: `{line}` halves {ctx['batch']} until the cell fits and raises "
+    return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx['batch']} until it fits and raises "
                   f"{ctx['accum']} so that the effective batch stays the same.", line)
 
 

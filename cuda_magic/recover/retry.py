@@ -10,8 +10,10 @@ allocated when it failed plus the allocation that failed). With the capacity, an
 linearly with the value, these predict the largest value that fits:
 
 - nothing fitted yet: a failure at v that needed at least N of the C - B available bounds the maximum by
-  v * (C - B) / N; the next value is a quarter of that bound (plain halving when nothing was measured),
+  v * (C - B) / N; `--search` tries a quarter of that bound (plain halving when nothing was measured),
   low enough to fit even when the failing allocation came early in the cell, so that its peak is measured;
+  `-r` (which keeps the first value that fits) tries 88% of it, or 60% when the first failure came midway
+  through the cell (the failing request less than half of what it needed);
 - one value fitted: its peak per unit predicts the maximum; the fixed part of the cell counted as per-unit
   memory makes this prediction fall short, never over, so it fits and gives a second exact point;
 - two values fitted: their peaks give slope and fixed part, and the fitted maximum less a small margin.
@@ -26,7 +28,10 @@ from dataclasses import dataclass
 
 from cuda_magic.units import format_bytes
 
-RETRY_SHARE = 0.88   # -r: try this fraction of the largest value the first failure leaves possible
+RETRY_SHARE = 0.88   # -r: try this fraction of the largest value a failure leaves possible, when the
+                     # failing request was most of what the cell needed (it failed at its peak) ...
+MIDWAY_SHARE = 0.6   # ... and this one when it failed midway (many allocations, then a smaller one):
+                     # the bound then overestimates by what the rest of the cell would have taken
 REPEAT_SHARE = 0.6   # -r, after more than one failure: at most this fraction of the smallest value that failed
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
 MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit
@@ -196,12 +201,14 @@ class BatchSearch:
     def _go_down(self, hi: int) -> tuple[int | None, str]:
         if hi <= self.floor:
             return None, f"the floor {self.floor} ran out of memory"
-        bound, why = hi, ""
-        share = self.descent if self.search else RETRY_SHARE
+        bound, why, share = hi, "", self.descent
         for m in self.history:
             limit = self._failure_bound(m)
             if limit is not None and limit < bound:
                 bound = limit
+                if not self.search:   # a later failure, at a smaller value, gets further into the cell
+                    first = m is self.history[0]
+                    share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
                 why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
                        f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
         value = int(bound * share) if bound < hi else hi // 2

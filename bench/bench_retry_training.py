@@ -1,0 +1,216 @@
+"""`-r`, `--search` and accelerate's `find_executable_batch_size` side by side on a training cell.
+
+    .venv/bin/python bench/bench_retry_training.py [--start N ...] [--capacity 64MiB] [--steps 3]
+
+The cell: three optimizer steps (SGD with momentum) of an MLP with BatchNorm on random batches of `bs`
+rows, in a real IPython shell with `%gpumem --simulate 64MiB` on (every method runs on the same simulated
+GPU). Each method starts from the same model, optimizer and RNG state. Reported per method: runs of the
+cell (attempts), total time against one clean run at the final value, the value found against the
+largest that fits (found by bisection, each probe from the start state), and whether the model and the
+optimizer afterwards equal one clean run's at the final value from the same start. accelerate is not a
+dependency of cuda_magic: without it, its row is skipped with a note.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETUP = """
+import copy, random, gc
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),
+                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+START = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state(),
+         random.getstate())
+
+def reset():
+    for name in ("x", "y", "loss"):          # the previous run's batch and graph: not part of the start
+        globals().pop(name, None)
+    gc.collect()
+    model.load_state_dict(START[0]); opt.load_state_dict(copy.deepcopy(START[1]))
+    for p in model.parameters():
+        p.grad = None
+    torch.set_rng_state(START[2]); random.setstate(START[3])
+
+def fingerprint():
+    # copies kept by the benchmark, not on the simulated GPU
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()})
+
+def same(a, b):
+    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            and a[1].keys() == b[1].keys()
+            and all(torch.equal(a[1][i][k], b[1][i][k]) for i in a[1] for k in a[1][i]))
+"""
+
+CELL = """model.train()
+for step in range(STEPS):
+    x = torch.randn(bs, 256)
+    y = torch.randint(0, 10, (bs,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+ACCELERATE = """
+from accelerate.utils import find_executable_batch_size
+
+def train(batch_size):
+    global bs
+    bs = batch_size
+    try:
+        exec(CELL_CODE, globals())
+    except torch.OutOfMemoryError as exc:
+        # the simulated device's message says "CUDA out of memory (simulated device)."; accelerate looks
+        # for " out of memory." as in CUDA's own message
+        raise RuntimeError("CUDA out of memory. " + str(exc)) from None
+    return batch_size
+
+attempts = []
+def counted(batch_size):
+    attempts.append(batch_size)
+    return train(batch_size)
+"""
+
+
+def shell():
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "cuda_magic")
+    return ip
+
+
+def run(ip, code: str):
+    """Run a cell (its output is not shown); its value."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output():
+        result = ip.run_cell(code)
+    if not result.success:
+        raise RuntimeError(f"{result.error_before_exec or result.error_in_exec!r}\n{code}")
+    return result.result
+
+
+def fits(ip, value: int) -> bool:
+    """Whether the cell fits at `value` from the start state; a failure's memory is given back after."""
+    from IPython.utils.capture import capture_output
+
+    from cuda_magic import release
+
+    run(ip, f"reset()\nbs = {value}")
+    with capture_output():
+        result = ip.run_cell(CELL)
+    ok = result.success
+    if not ok and not isinstance(result.error_in_exec, ip.user_ns["torch"].OutOfMemoryError):
+        raise result.error_in_exec
+    del result
+    release(ip)
+    return ok
+
+
+def largest_fitting(ip, hi: int) -> int:
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(ip, mid) else (lo, mid)
+    return lo
+
+
+def fresh(ip, value: int) -> None:
+    """The start state, with nothing left over from the previous measurement."""
+    from cuda_magic import release
+
+    release(ip)
+    run(ip, f"reset()\nbs = {value}")
+    from cuda_magic.devices.simulated import active_device
+
+    print(f"  bs={value}: {active_device().allocated} bytes allocated before", file=sys.stderr)
+
+
+def clean_run(ip, value: int) -> tuple[float, object]:
+    fresh(ip, value)
+    t0 = time.perf_counter()
+    run(ip, CELL)
+    seconds = time.perf_counter() - t0
+    return seconds, ip.user_ns["fingerprint"]()
+
+
+def guarded(ip, start: int, flags: str) -> dict:
+    fresh(ip, start)
+    t0 = time.perf_counter()
+    report = run(ip, f"%%oomguard -q -o -r bs {flags}\n" + CELL)
+    seconds = time.perf_counter() - t0
+    after = ip.user_ns["fingerprint"]()
+    return dict(runs=len(report.attempts), probes=sum(a.probe for a in report.attempts), seconds=seconds,
+                found=report.final_value, after=after)
+
+
+def accelerate(ip, start: int) -> dict | None:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return None
+    run(ip, ACCELERATE)
+    fresh(ip, start)
+    run(ip, f"attempts.clear()\nCELL_CODE = compile({CELL!r}, '<cell>', 'exec')")
+    t0 = time.perf_counter()
+    found = run(ip, f"find_executable_batch_size(counted, starting_batch_size={start})()")
+    seconds = time.perf_counter() - t0
+    after = ip.user_ns["fingerprint"]()
+    return dict(runs=len(ip.user_ns["attempts"]), probes=0, seconds=seconds, found=found, after=after)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--start", type=int, nargs="+", default=[4096, 1200])
+    parser.add_argument("--capacity", default="64MiB")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    ip = shell()
+    ip.run_line_magic("gpumem", f"--simulate {args.capacity} -q")   # first: the model counts on it
+    run(ip, SETUP)
+    ip.user_ns["STEPS"] = args.steps
+    maximum = largest_fitting(ip, max(args.start) * 2)
+    print(f"command: .venv/bin/python bench/bench_retry_training.py {' '.join(argv or sys.argv[1:])}".rstrip())
+    print(f"cell: {args.steps} steps of SGD with momentum on an MLP with BatchNorm (256-1024-1024-10), "
+          f"simulated GPU of {args.capacity}; largest bs that fits: {maximum}\n")
+    have_accelerate = True
+    rows = []
+    for start in args.start:
+        for name, measure in (("`-r bs`", lambda s: guarded(ip, s, "")),
+                              ("`-r bs --search`", lambda s: guarded(ip, s, "--search")),
+                              ("accelerate `find_executable_batch_size`", lambda s: accelerate(ip, s))):
+            print(f"{start} {name}", file=sys.stderr)
+            result = measure(start)
+            if result is None:
+                have_accelerate = False
+                continue
+            clean_seconds, clean = clean_run(ip, result["found"])
+            equal = ip.user_ns["same"](result["after"], clean)
+            rows.append([str(start), name, f"{result['runs']}" + (f" ({result['probes']} probes)" if result["probes"] else ""),
+                         f"{result['seconds']:.2f} s", f"{result['seconds'] / clean_seconds:.1f}x",
+                         f"{result['found']} ({result['found'] / maximum:.1%})", "yes" if equal else "no"])
+    if not have_accelerate:
+        print("note: accelerate is not installed, so its rows are skipped (pip install accelerate)\n")
+    head = ["start", "method", "runs of the cell", "total time", "vs one clean run", "found (of largest)",
+            "model = one clean run"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
