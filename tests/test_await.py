@@ -30,7 +30,7 @@ def test_an_awaiting_cell_is_retried_and_cleaned_up(tip):
 def test_an_awaiting_cell_that_runs_out_raises_the_short_error(tip):
     run_ok(tip, "import asyncio")
     result = tip.run_cell("%%oomguard -l 16MiB -q\nawait asyncio.sleep(0)\nx = torch.ones(64, 2**20)")
-    assert isinstance(result.error_in_exec, tip.user_ns["torch"].OutOfMemoryError)
+    assert isinstance(result.error_in_exec, tip.user_ns["torch"].cuda.OutOfMemoryError)
     assert "out of memory in this cell" in str(result.error_in_exec)
 
 

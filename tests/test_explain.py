@@ -56,6 +56,8 @@ def test_expandable_segments_line_keeps_other_options():
 @pytest.fixture
 def restore_allocator_settings():
     torch = pytest.importorskip("torch")
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("the allocator settings getter is in torch 2.12+")
     before = torch._C._accelerator_getAllocatorSettings()
     yield torch
     torch._C._accelerator_setAllocatorSettings(before)
@@ -296,8 +298,8 @@ def test_explain_takes_exceptions_text_or_fields():
     from_text = explain(text, holders=HOLDERS)
     try:
         try:
-            raise torch.OutOfMemoryError(text)
-        except torch.OutOfMemoryError as inner:
+            raise torch.cuda.OutOfMemoryError(text)
+        except torch.cuda.OutOfMemoryError as inner:
             raise ValueError("logging failed") from inner
     except ValueError as outer:
         from_exc = explain(outer, holders=HOLDERS)

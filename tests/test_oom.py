@@ -99,7 +99,7 @@ def test_parsing_never_raises_on_truncated_messages_or_non_strings():
 
 def test_torch_out_of_memory_error_is_oom_whatever_its_message():
     torch = pytest.importorskip("torch")
-    assert oom_kind(torch.OutOfMemoryError("")) == "oom"
+    assert oom_kind(torch.cuda.OutOfMemoryError("")) == "oom"
     assert oom_kind(torch.cuda.OutOfMemoryError("no figures")) == "oom"
 
 
@@ -148,7 +148,7 @@ def test_real_simulated_device_oom_parses():
     torch = pytest.importorskip("torch")
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    with pytest.raises(torch.OutOfMemoryError) as info:
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
         with SimulatedDevice(64 * 2**20):
             kept = torch.empty(40 * 2**20, dtype=torch.uint8)
             torch.empty(30 * 2**20, dtype=torch.uint8)

@@ -62,7 +62,7 @@ def test_floor_that_still_fails_raises_and_restores(tip):
     run_ok(tip, "bs = 1024\naccum = 2")
     result = tip.run_cell("%%oomguard -l 64MiB -q -r bs -a accum --min 512\n" + CELL)
     assert not result.success
-    assert isinstance(result.error_in_exec, tip.user_ns["torch"].OutOfMemoryError)
+    assert isinstance(result.error_in_exec, tip.user_ns["torch"].cuda.OutOfMemoryError)
     assert tip.user_ns["bs"] == 1024 and tip.user_ns["accum"] == 2
 
 
@@ -154,7 +154,7 @@ SCRIPT = textwrap.dedent("""
 
     try:
         print("RESULT", step())
-    except torch.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:
         print("OOM", exc)
     except KeyboardInterrupt:
         print("INTERRUPTED")

@@ -134,13 +134,13 @@ def test_oom_is_raised_before_allocating(torch_warm):
     with simulated_device("16GiB") as dev:
         held = torch.zeros(256)
         rss = _rss()
-        with pytest.raises(torch.OutOfMemoryError) as excinfo:
+        with pytest.raises(torch.cuda.OutOfMemoryError) as excinfo:
             torch.empty(100 * 2**30, dtype=torch.uint8)
         assert "CUDA out of memory" in str(excinfo.value)
         assert "Tried to allocate 100.00 GiB" in str(excinfo.value)
         # an allocation that would really touch its pages: 2 GiB of ones on a 1 GiB device
         with dev.limited(2**30):
-            with pytest.raises(torch.OutOfMemoryError):
+            with pytest.raises(torch.cuda.OutOfMemoryError):
                 torch.ones(2 * 2**30, dtype=torch.uint8)
         assert _rss() - rss < 256 * 2**20
         assert dev.allocated == 1024
@@ -152,7 +152,7 @@ def test_oom_on_growth_of_an_out_tensor(torch_warm):
     with SimulatedDevice(10_000) as dev:
         a = torch.zeros(1000)                 # 4000 bytes
         out = torch.empty(0)
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.cuda.OutOfMemoryError):
             torch.cat([a, a], out=out)        # 8000 more: past 10 000
         del a, out
     assert dev.allocated == 0

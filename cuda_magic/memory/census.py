@@ -56,7 +56,8 @@ class _Namer:
         self.truncated = False
         self.records = records if records is not None else {}
         self.keys: set[int] = set(by_id.values()) | set(self.records)
-        self.graph_seen: set[int] = set()
+        # id -> node: held so that its id is not reused (torch 2.2 makes a node's Python object on each access)
+        self.graph_seen: dict[int, object] = {}
         self.graph_nodes = 0
 
     def add(self, obj, name: str) -> None:
@@ -82,7 +83,7 @@ class _Namer:
             node = stack.pop()
             if node is None or id(node) in self.graph_seen:
                 continue
-            self.graph_seen.add(id(node))
+            self.graph_seen[id(node)] = node
             self.graph_nodes += 1
             for attr in saved_attrs(type(node)):
                 try:

@@ -61,14 +61,16 @@ def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH)
     module_type = torch.nn.Module
     optimizer_type = torch.optim.Optimizer
     node_type = torch.autograd.graph.Node
-    seen: set[int] = set()
+    # id -> the object itself: holding what was walked keeps its id from being reused during the walk
+    # (a graph node's Python object is made on each access and dropped at once in torch 2.2)
+    seen: dict[int, object] = {}
     stack = [(obj, 0)]
     budget = limit
     while stack and budget > 0:
         item, level = stack.pop()
         if id(item) in seen or isinstance(item, SKIP_TYPES):
             continue
-        seen.add(id(item))
+        seen[id(item)] = item
         budget -= 1
         if issubclass(type(item), tensor_type):
             yield item
