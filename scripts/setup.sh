@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0 \
     --index-url https://download.pytorch.org/whl/cpu
-.venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[test,lab]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import cuda_magic, torch, IPython, ipywidgets, pandas, nbclient" 
 
 

@@ -87,3 +87,43 @@ def test_demo_freecuda_deletes_the_leaking_names(executed):
     text = _text(_outputs(nb, "%freecuda losses"))
     assert "Deleted: losses, out, x" in text
     assert "model" in text and "opt" in text   # still held, and listed as such
+
+
+def test_demo_html_outputs_need_no_javascript_and_no_network(executed):
+    """Where widgets cannot render (VS Code without the widget renderer, nbviewer, GitHub), the HTML
+    form shows: every output's text/html must work without scripts and without fetching anything."""
+    from static_html import problems
+
+    nb, _ = executed
+    htmls = [o.data["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+             if o.output_type in ("display_data", "execute_result") and "text/html" in o.data]
+    assert len(htmls) >= 5
+    for html in htmls:
+        assert problems(html) == []
+
+
+def test_demo_first_cell_installs_and_enables_widgets_only_in_colab():
+    """In Colab the first cell installs the package with %pip (the README's install line) and turns on
+    Colab's custom widget manager; elsewhere (the run above, where google.colab is absent) it only loads
+    the extension. The cell as IPython transforms it (this IPython: 7.34 in the Colab environment) keeps
+    the %pip line inside the guard."""
+    import ast
+
+    import nbformat
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    nb = nbformat.read(ROOT / "demo.ipynb", as_version=4)
+    source = next(c for c in nb.cells if c.cell_type == "code").source
+    tree = ast.parse(TransformerManager().transform_cell(source))
+    guards = [n for n in tree.body if isinstance(n, ast.If)]
+    assert len(guards) == 1
+    guard = guards[0]
+    assert ast.unparse(guard.test) == "'google.colab' in sys.modules"
+    body = ast.unparse(guard)
+    assert "run_line_magic('pip', 'install -q cuda-magic')" in body
+    assert "from google.colab import output" in body and "output.enable_custom_widget_manager()" in body
+    outside = [ast.unparse(n) for n in tree.body if n is not guard]
+    assert any("run_line_magic('load_ext', 'cuda_magic')" in line for line in outside)
+    assert not any("pip" in line or "google" in line for line in outside)
+    name = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert f"install -q {name}" in body

@@ -276,6 +276,45 @@ def test_html_escapes_user_strings_and_is_self_contained():
         assert page.startswith('<div class="cuda-magic') and page.count("<div") == page.count("</div>")
 
 
+def every_html_form() -> dict[str, str]:
+    """The HTML form of every kind of record show() displays, and of every widget's output bundle."""
+    from cuda_magic.display.show import forms_of
+    from cuda_magic.display import widget as W
+
+    report = guard_report()
+    report.failure = FailurePoint(2, "y = f('<img src=https://example.com/x onerror=alert(1)>')")
+    records = {
+        "snapshot": snapshot(), "diff": diff(snapshot(), Snapshot([], tensors())), "guard": report,
+        "release": release_report(), "watch": cell_records()[0], "history": cell_records(),
+        "processes": snapshot().processes, "devices": [cuda_device(), simulated_device(), cpu_device()],
+    }
+    forms = {name: forms_of(obj)[1]() for name, obj in records.items()}
+    forms["widget bars"] = W.MemoryBarsWidget(records["devices"]).bundle()["text/html"]
+    forms["widget snapshot"] = W.SnapshotWidget(snapshot()).bundle()["text/html"]
+    forms["widget guard"] = W.GuardWidget(report).bundle()["text/html"]
+    forms["widget history"] = W.WatchWidget(cell_records()).bundle()["text/html"]
+    return forms
+
+
+def test_every_html_form_needs_no_javascript_and_no_network():
+    from static_html import problems
+
+    for name, html in every_html_form().items():
+        assert html.strip(), name
+        assert problems(html) == [], name
+
+
+def test_static_html_check_catches_what_it_is_for():
+    from static_html import problems
+
+    for bad in ('<script>x()</script>', '<div onclick="x()">', '<a href="https://a.b">', '<img src="x.png">',
+                '<div style="background:url(x.png)">', "<iframe>", "<style>@import 'x.css';</style>",
+                '<svg><use xlink:href="#a"/></svg>', '<span title="javascript:x()">'):
+        assert problems(bad), bad
+    assert problems('<svg viewBox="0 0 10 10"><rect width="5"/></svg><div style="width:5%">1/2</div>'
+                    '<code>&lt;script src=https://cdn.example/x.js&gt;</code>') == []
+
+
 def test_guard_html():
     html = H.guard_html(guard_report())
     assert "fits at batch_size=16" in html
@@ -310,7 +349,10 @@ def test_memory_bars_widget_segments_add_up_to_100():
         assert parts == [f"cuda-magic-part-{p}" for p, _ in L.bar_segments(dev)]
         assert all(p.removeprefix("cuda-magic-part-") in (*PARTS, "unknown") for p in parts)
     first = w.bars[0].children[0]
-    assert first.tooltip == "PyTorch allocated: 12.00 GiB (15.0% of cuda:0)"
+    title = "PyTorch allocated: 12.00 GiB (15.0% of cuda:0)"
+    assert f'title="{title}"' in first.value            # the hover text on ipywidgets 7 and 8
+    if first.has_trait("tooltip"):                      # ipywidgets 8
+        assert first.tooltip == title
     assert width_percent(first) == pytest.approx(15.0)
     visible = " ".join(c.value for box in w.children for c in box.children if hasattr(c, "value"))
     assert "12.00 GiB" in visible and "45.50 GiB" in visible and "peak 15.00 GiB" in visible

@@ -23,7 +23,7 @@ def ipywidgets():
     try:
         import ipywidgets as widgets
     except ImportError as exc:
-        raise ImportError("cuda_magic's notebook widgets need ipywidgets 8: pip install 'ipywidgets>=8'") from exc
+        raise ImportError("cuda_magic's notebook widgets need ipywidgets: pip install 'ipywidgets>=7.7'") from exc
     return widgets
 
 
@@ -78,11 +78,14 @@ def bar_widget(dev):
         seg = widgets.HTML(
             value=(f'<div title="{H.escape(title)}" style="width:100%;height:18px;'
                    f'background:{H.COLORS[part]}"></div>'),
-            tooltip=title,
             layout=widgets.Layout(width=f"{width}%", height="18px", margin="0", padding="0", min_width="0",
                                   overflow="hidden", flex="0 0 auto"),
         )
-        seg.style.background = H.COLORS[part]
+        # ipywidgets 8 traits; on 7 the inner div's title and colour carry the same.
+        if seg.has_trait("tooltip"):
+            seg.tooltip = title
+        if seg.style.has_trait("background"):
+            seg.style.background = H.COLORS[part]
         children.append(with_classes(seg, f"cuda-magic-part-{part}"))
     bar = widgets.HBox(children, layout=widgets.Layout(
         width="100%", height="20px", border="1px solid #9e9e9e", margin="3px 0", overflow="hidden"))

@@ -107,7 +107,7 @@ def _write_settings(settings_dir: Path) -> None:
         path.write_text(json.dumps(values, indent=2))
 
 
-def _copy_notebook(notebook: Path, root_dir: Path) -> None:
+def copy_notebook(notebook: Path, root_dir: Path) -> None:
     """Copy the notebook, pointing it at this environment's `python3` kernel so no
     kernel-selection dialog appears and the kernel runs the interpreter under test."""
     data = json.loads(notebook.read_text())
@@ -119,7 +119,7 @@ def _copy_notebook(notebook: Path, root_dir: Path) -> None:
     (root_dir / notebook.name).write_text(json.dumps(data, indent=1))
 
 
-def _wait_until_up(proc: subprocess.Popen, server: LabServer, timeout_s: float) -> None:
+def wait_until_up(proc: subprocess.Popen, server: LabServer, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -136,7 +136,7 @@ def _wait_until_up(proc: subprocess.Popen, server: LabServer, timeout_s: float) 
     raise TimeoutError(f"JupyterLab did not answer within {timeout_s}s:\n{server.log_tail()}")
 
 
-def _stop(proc: subprocess.Popen, server: LabServer) -> None:
+def stop_server(proc: subprocess.Popen, server: LabServer) -> None:
     # /api/shutdown stops the kernels too; they live in their own sessions, so a signal
     # to the server's process group alone would leave them running.
     with contextlib.suppress(OSError, urllib.error.URLError):
@@ -160,7 +160,7 @@ def lab_server(notebook: Path, *, startup_timeout_s: float = 90) -> Iterator[Lab
     root_dir, config_dir, settings_dir = tmp / "root", tmp / "config", tmp / "settings"
     for path in (root_dir, config_dir, settings_dir, tmp / "data", tmp / "runtime"):
         path.mkdir()
-    _copy_notebook(Path(notebook), root_dir)
+    copy_notebook(Path(notebook), root_dir)
     _write_settings(settings_dir)
     server = LabServer(port=free_port(), root_dir=root_dir, log_path=tmp / "lab.log")
     env = dict(
@@ -195,10 +195,10 @@ def lab_server(notebook: Path, *, startup_timeout_s: float = 90) -> Iterator[Lab
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        _wait_until_up(proc, server, startup_timeout_s)
+        wait_until_up(proc, server, startup_timeout_s)
         yield server
     finally:
-        _stop(proc, server)
+        stop_server(proc, server)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
