@@ -71,7 +71,7 @@ def train(batch_size):
     bs = batch_size
     try:
         exec(CELL_CODE, globals())
-    except torch.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:
         # the simulated device's message says "CUDA out of memory (simulated device)."; accelerate looks
         # for " out of memory." as in CUDA's own message
         raise RuntimeError("CUDA out of memory. " + str(exc)) from None
@@ -113,7 +113,7 @@ def fits(ip, value: int) -> bool:
     with capture_output():
         result = ip.run_cell(CELL)
     ok = result.success
-    if not ok and not isinstance(result.error_in_exec, ip.user_ns["torch"].OutOfMemoryError):
+    if not ok and not isinstance(result.error_in_exec, ip.user_ns["torch"].cuda.OutOfMemoryError):
         raise result.error_in_exec
     del result
     release(ip)

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
 
     try:
         too_big()
-    except torch.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:
         print("RAISED", exc)
 """)
 
