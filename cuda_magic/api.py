@@ -156,6 +156,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             return False
         failure = read_failure(value, meter)
         report.oom, report.failure = failure.oom, failure.point
+        report.by_kind = failure.by_kind
         attempt = Attempt(None, Outcome.OOM, meter.peak(), failure.oom.requested, start_allocated=self._start)
         report.attempts.append(attempt)
         del tb

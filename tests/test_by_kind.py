@@ -91,3 +91,24 @@ def test_a_parameter_reached_otherwise_is_a_parameter(tip):
     kinds = kinds_of(snap, "sim:0")
     assert kinds["parameters"] == (64 + 8) * 4    # a view of it, saved by a graph twice: still parameters
     assert kinds["activations"] == 4              # only `saved` itself
+
+
+def test_the_oom_report_has_the_split_at_the_failure(tip, capsys):
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, BUILD)
+    capsys.readouterr()
+    run_ok(tip, "%%oomguard --no-raise -o\n"
+                "acts = [model(x).square().mean() for _ in range(3)]   # three losses with their graphs\n"
+                "huge = torch.empty(2**26)                              # 256 MiB: out of memory")
+    out = capsys.readouterr().out
+    assert "At the failure, by kind on sim:0" in out and "activations kept by graphs" in out
+    report = tip.run_cell("%%oomguard --no-raise -o\nacts = [model(x).square().mean() for _ in range(3)]\n"
+                          "huge = torch.empty(2**26)").result
+    p = tip.user_ns["param_bytes"]
+    kinds = report.by_kind
+    assert kinds["parameters"] == p and kinds["gradients"] == p
+    # `kept`'s graph (as in the first test) and the three graphs of `acts`: ReLU's result, the output and
+    # the loss each (x itself counted once, with `kept`'s)
+    assert kinds["activations"] == 4 * (32 * 64 + 32 * 128 + 32 * 10 + 1) + 3 * 4 * (32 * 128 + 32 * 10 + 1)
+    # nothing the failed run made was freed (`huge` was never allocated): allocated at the failure = after
+    assert sum(kinds.values()) == report.after[0].torch_allocated

@@ -150,3 +150,36 @@ def test_gpumem_live_updates_across_cells_in_a_kernel_and_off_joins_its_thread()
     assert "Live gauge off." in printed(nb.cells[7])
     assert THREAD_NAME not in printed(nb.cells[8])                  # `off` joined it
     assert THREAD_NAME not in printed(nb.cells[10])                 # unloading joined it
+
+
+GUARDED = """%%oomguard
+keep = []
+for i in range(25):                     # about 2.5 seconds, 1 MiB every 0.1 s
+    keep.append(torch.zeros(2**18))
+    time.sleep(0.1)
+"""
+
+
+def widget_models(nb) -> dict:
+    return nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+
+
+@pytest.mark.parametrize("form", ["widget", "html"])
+def test_a_guarded_cell_shows_the_gauge_while_it_runs_then_the_report_and_no_thread(form):
+    env = {"CUDA_MAGIC_DISPLAY": "html"} if form == "html" else None
+    nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
+                        GUARDED, GUARDED.replace("%%oomguard", "%%oomguard --no-live"), THREADS], env=env)
+    guarded, quiet = nb.cells[2], nb.cells[3]
+    assert THREAD_NAME not in printed(nb.cells[4])
+    for cell in (guarded, quiet):
+        shown = [o for o in cell.outputs if o.get("output_type") == "display_data"]
+        assert len(shown) == 1
+        assert "the cell ran within memory" in shown[0]["data"]["text/plain"]
+        assert "cuda-magic-gauge" not in shown[0]["data"]["text/html"]       # the report took its place
+    if form == "widget":
+        gauges = [m["state"] for m in widget_models(nb).values()
+                  if "cuda-magic-gauge-widget" in m["state"].get("_dom_classes", [])]
+        assert len(gauges) == 2
+        drawn, not_drawn = gauges
+        assert "cuda-magic-gauge-allocated" in drawn["value"] and "sim:0" in drawn["value"]
+        assert not_drawn["value"] == ""                                      # --no-live: never drawn

@@ -134,11 +134,14 @@ def own_view():
     return HandleView(handle, lambda r: {"text/html": gauge_html(r), "text/plain": gauge_text(r)})
 
 
-def start_guard_gauge(handle, reader, *, delay: float = DELAY, interval: float = INTERVAL):
-    """A gauge inside a guarded cell's running view (show.GuardHandle), which stops it when it finishes.
-    Returns the LiveGauge, or None where none can be seen (terminal IPython, text form, quiet)."""
+def start_guard_gauge(handle, meter, *, delay: float = DELAY, interval: float = INTERVAL):
+    """A gauge of `meter`'s device inside a guarded cell's running view (show.GuardHandle), which stops it
+    when it finishes. Returns the LiveGauge, or None where none can be seen (terminal IPython, text, -q)."""
     if handle.quiet or not gauge_possible():
         return None
+    from cuda_magic.devices.gauge_reader import GaugeReader
+
+    reader = GaugeReader(meter)
     if handle.form == "widget" and handle.widget is not None:
         view = WidgetView(handle.widget.gauge)
     elif handle.form == "html" and handle.display is not None:

@@ -274,6 +274,8 @@ def diagnosis_html(report) -> str:
         if items:
             out.append(html_table([k for k, _ in items], [[format_bytes(v) for _, v in items]],
                                   set(range(len(items))), cls="cuda-magic-oom"))
+    if report.by_kind:
+        out.append(kinds_html(report.device, report.by_kind, title="At the failure, by kind"))
     diag = report.diagnosis
     if diag is not None:
         out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {escape(diag.summary)}</div>')

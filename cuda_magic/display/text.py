@@ -228,6 +228,8 @@ def guard_text(report, running: bool = False) -> str:
     if report.oom is not None:
         items = [f"{k} {format_bytes(v)}" for k, v in oom_items(report.oom)]
         lines += wrap_items(oom_title(report.oom) + (":" if items else ""), items)
+    if report.by_kind:
+        lines += kinds_text(report.device, report.by_kind, title="At the failure, by kind")
     diag = report.diagnosis
     if diag is not None:
         lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")

@@ -25,6 +25,7 @@ class GuardMagics(Magics):
     @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
     @argument("-d", dest="device", default=None, metavar="DEVICE", help="the device to measure and cap (0, cuda:1)")
     @argument("--expandable-segments", dest="expandable", action="store_true", help="switch the CUDA allocator's expandable_segments on first (against fragmentation), keeping its other options")
+    @argument("--no-live", dest="no_live", action="store_true", help="no live gauge of the device while the cell runs (notebooks show one after about a second)")
     @argument("--no-raise", dest="no_raise", action="store_true", help="after an OOM, return instead of raising")
     @argument("-q", dest="quiet", action="store_true", help="show only the OOM report, nothing for a cell that ran")
     @argument("-o", dest="output", action="store_true", help="return the report object")
@@ -114,6 +115,10 @@ class GuardMagics(Magics):
         report = GuardReport(device=meter.key, limit=limit)
         report.before = metered_devices(meter)
         handle = show_guard(report, quiet=args.quiet)
+        if not args.no_live:
+            from cuda_magic.display.gauge import start_guard_gauge
+
+            start_guard_gauge(handle, meter)   # nothing where no gauge can be seen (terminal IPython)
         engine = GuardEngine(meter, values=ns, namespace=ns, retry=retry, limit=limit, amp=args.amp,
                              filename=compiled.filename, lines=compiled.lines, on_attempt=handle.add_attempt,
                              on_note=None if args.quiet else _print_note)
@@ -202,6 +207,7 @@ class GuardedCell:
         from cuda_magic.recover.failure import conclude
 
         self.compiled = None
+        self.handle.stop_gauge()        # joined before the clean-up and the report
         args, report = self.args, self.report
         conclude(report, self.meter, amp=args.amp is not None, shell=self.shell)
         if not args.quiet:

@@ -67,6 +67,7 @@ class GuardAll:
         report.before = metered_devices(meter)      # at the failure: the cell has already run
         failure = read_failure(value, meter, filename=_cell_filename(shell, value.__traceback__))
         report.oom, report.failure = failure.oom, failure.point
+        report.by_kind = failure.by_kind
         attempt = Attempt(None, Outcome.OOM, _peak(meter), failure.oom.requested, start_allocated=None)
         report.attempts.append(attempt)
         attempt.reclaimed = release_failure(value, failure, meter, user_ns=shell.user_ns, sever=False,

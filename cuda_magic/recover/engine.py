@@ -113,6 +113,7 @@ class GuardEngine:
     def _failed(self, result: RunResult) -> None:
         report = self.report
         report.oom, report.failure = result.failure.oom, result.failure.point
+        report.by_kind = result.failure.by_kind
         if result.attempt.reclaimed is not None:
             report.reclaimed[self.meter.key] = result.attempt.reclaimed   # per clean-up, never summed
 

@@ -32,6 +32,7 @@ class Failure:
     point: FailurePoint | None
     allocated: int | None          # allocated on the meter's device when it failed
     reserved: int | None           # reserved then: what a clean-up gives back is measured against it
+    by_kind: dict[str, int] | None = None   # the device's tensors by kind then (memory.kinds)
 
 
 def kind_of(exc: BaseException) -> Outcome:
@@ -87,9 +88,20 @@ def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailureP
 
 def read_failure(exc: BaseException, meter, *, filename: str | None = None,
                  lines: list[str] | None = None) -> Failure:
-    """Step 1, inside the `except` block: plain values only."""
+    """Step 1, inside the `except` block: plain values only (the failed run's tensors are still alive: what
+    they are, by kind, is counted now)."""
+    allocated = _read(meter.allocated)
     return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
-                   allocated=_read(meter.allocated), reserved=_read(meter.reserved))
+                   allocated=allocated, reserved=_read(meter.reserved), by_kind=kinds_at_failure(meter, allocated))
+
+
+def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:
+    """The metered device's tensors by kind (parameters, gradients, optimizer state, activations, other)."""
+    from cuda_magic.devices.meter import SimMeter
+    from cuda_magic.memory.capture import kinds_on
+
+    simulated = meter.device if isinstance(meter, SimMeter) else None
+    return kinds_on(meter.key, allocated=allocated if meter.key != "cpu" else None, simulated=simulated)
 
 
 def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None, sever: bool = True,

@@ -88,6 +88,7 @@ class GuardReport(Rendered):
     attempts: list[Attempt] = field(default_factory=list)
     retry: Retry | None = None            # with -r only
     oom: OomFields | None = None          # parsed fields of the (last) OOM
+    by_kind: dict[str, int] | None = None  # PyTorch's tensors on the device by kind when it failed (memory.kinds)
     diagnosis: Diagnosis | None = None
     failure: FailurePoint | None = None
     reclaimed: dict[str, int] = field(default_factory=dict)      # bytes the last clean-up gave back, per device

@@ -1,5 +1,5 @@
-"""Seeing memory in JupyterLab: the live gauge changes while a cell allocates; `%gpumem`'s by-kind bar
-renders. Screenshots go to CUDA_MAGIC_ARTIFACTS
+"""Seeing memory in JupyterLab: the live gauge (`%gpumem --live`, and a guarded cell's own) changes while a
+cell allocates, and a guarded cell's gives way to its report; `%gpumem`'s by-kind bar renders. Screenshots go to CUDA_MAGIC_ARTIFACTS
 (default artifacts/browser)."""
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ CELLS = [
     # a cell that allocates 1 MiB every 0.1 s for about 6 seconds: the gauge above follows it
     "keep = []\nfor i in range(60):\n    keep.append(torch.zeros(2**18))\n    time.sleep(0.1)",
     "%gpumem --live off",
+    # the same under %%oomguard: its own gauge after about a second, then the report in its place
+    "%%oomguard\nfor i in range(40):\n    keep.append(torch.zeros(2**18))\n    time.sleep(0.1)",
     "del keep\n"
     "model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.ReLU(),\n"
     "                            torch.nn.Linear(1024, 10))\n"
@@ -72,9 +74,22 @@ def test_gauge_changes_while_the_cell_runs_and_by_kind_bar_renders(tmp_path):
         save_element_screenshot(gauge, shots / "gauge-2.png")
         assert first != second, f"the gauge did not change: {first!r}"
 
+        guarded = page.locator(".cuda-magic-widget .cuda-magic-gauge-widget .cuda-magic-gauge-allocated").first
+        guarded.wait_for(state="visible", timeout=60_000)
+        guard_output = page.locator(".jp-OutputArea-output:has(.cuda-magic-guard)").first
+        first = guarded.inner_text()
+        save_element_screenshot(guard_output, shots / "guard-gauge-1.png")
+        page.wait_for_timeout(1500)
+        second = guarded.inner_text()
+        save_element_screenshot(guard_output, shots / "guard-gauge-2.png")
+        assert first != second, f"the guarded cell's gauge did not change: {first!r}"
+
         wait_until_finished(page, timeout_s=120)
         assert error_outputs(page) == []
         assert figure.inner_text() == "60.00 MiB"          # the last reading before `--live off`
+        assert page.locator(".cuda-magic-widget .cuda-magic-gauge-widget").first.is_hidden()   # the report's turn
+        save_element_screenshot(guard_output, shots / "guard-report.png")
+        assert "the cell ran within memory" in guard_output.inner_text()
 
         kinds = page.locator(".cuda-magic-kinds").first
         for kind in ("parameters", "gradients", "optimizer_state", "activations", "other"):
