@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
+from hypothesis import settings
+
+# CI (CI=true) runs the property tests on hypothesis's fixed examples, so that a run is repeatable; local
+# runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 #: A function that keeps one tensor (weakly referenced in `refs`) and then asks for far more than a small
 #: simulated device has: its frame's locals are what an out-of-memory error keeps alive.

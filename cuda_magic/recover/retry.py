@@ -128,6 +128,10 @@ class BatchSearch:
         if len(failed) < 2:
             return
         a, b = failed[-2], failed[-1]
+        # Values close together can land on one step of a rounded size (allocations round up to blocks,
+        # shapes to multiples): only values at least a quarter apart tell that memory does not follow them.
+        if 4 * min(a.value, b.value) > 3 * max(a.value, b.value):
+            return
 
         def used(m):
             return None if m.allocated_at_failure is None else m.allocated_at_failure - (m.baseline or 0)
