@@ -188,7 +188,7 @@ def tensors_reachable(root, ip, limit: int = 200_000) -> list:
             found.append(obj)
             continue
         if isinstance(obj, types.FrameType):
-            stack.append(obj.f_locals)     # not f_back, f_globals or f_builtins
+            stack.extend(list(obj.f_locals.values()))   # not f_back, f_globals or f_builtins (3.13: a proxy)
             continue
         stack.extend(gc.get_referents(obj))
     return found
