@@ -29,14 +29,23 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     short out-of-memory error is raised (or None returned with `raise_on_oom=False`).
     As a context manager it frees what the failed block's callees held, explains the OOM, and raises the
     short error (or, with `raise_on_oom=False`, suppresses it); the report is the `as` target.
+
+    The black box records each run (on the simulated device and on CUDA): after an OOM the report shows
+    memory over the run and what was alive at the failure, by line (`report.timeline`, `report.by_line`).
+    `timeline=True` shows it for a run that fitted too; `timeline=False` records nothing. `exact=True`
+    (with accumulate=) tries only divisors of the effective batch, so that NAME x NAME2 equals it.
     """
 
     def __init__(self, retry: str | None = None, *, min: int = 1, search: bool = False,  # noqa: A002
                  accumulate: str | None = None, limit: str | int | float | None = None,
                  amp: str | None = None, device: str | None = None, raise_on_oom: bool = True,
-                 quiet: bool = False):
+                 quiet: bool = False, timeline: bool | None = None, exact: bool = False):
         if accumulate is not None and retry is None:
             raise ValueError("accumulate= needs retry=: it is scaled as the retried argument is reduced")
+        if exact and accumulate is None:
+            raise ValueError("exact=True needs accumulate=: it keeps NAME x NAME2 equal to the effective batch")
+        if timeline not in (None, True, False):
+            raise ValueError(f"timeline must be None, True or False, not {timeline!r}")
         if isinstance(min, bool) or not isinstance(min, int) or min < 1:
             raise ValueError(f"min must be an int of at least 1, not {min!r}")
         if amp not in (None, "bf16", "fp16"):
@@ -49,6 +58,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         self.retry, self.floor, self.search, self.accumulate = retry, min, search, accumulate
         self.limit, self.amp, self.device = limit, amp, device
         self.raise_on_oom, self.quiet = raise_on_oom, quiet
+        self.timeline, self.exact = timeline, exact
         self.report = None
 
     # decorator -----------------------------------------------------------------------------------
@@ -97,9 +107,11 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         report = GuardReport(device=meter.key, limit=limit, source="oomguard", api=True)
         report.before = metered_devices(meter)
         self.report = report
-        retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search)
+        retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search,
+                                                          self.exact)
         # arguments are bound again for every call: the function's own names need no rollback
-        engine = GuardEngine(meter, values=arguments, retry=retry, limit=limit, amp=self.amp, roots=roots)
+        engine = GuardEngine(meter, values=arguments, retry=retry, limit=limit, amp=self.amp, roots=roots,
+                             timeline=self.timeline)
         try:
             result, passthrough = engine.run(call, report)
         finally:
@@ -115,7 +127,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _show(self, report) -> None:
         """Silent for a call that fitted at once (the report is on `last_report`); otherwise the report."""
-        if self.quiet or report.outcome == "ok":
+        if self.quiet or (report.outcome == "ok" and not self.timeline):
             return
         from cuda_magic.display.show import show
 
@@ -134,6 +146,13 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard", api=True)
         self._meter.reset_peak()
         self._start = self._meter.allocated()
+        self._box = None
+        if self.timeline is not False:
+            from cuda_magic.recover.engine import start_blackbox
+
+            self._box = start_blackbox(self._meter)
+            self._box.begin_attempt(0)
+        self.report.timeline_requested = bool(self.timeline)
         self._running = self._meter.running(limit)
         self._running.__enter__()
         return self.report
@@ -144,15 +163,28 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
                                                 short_oom_error)
         from cuda_magic.recover.report import Attempt, Outcome
 
+        from cuda_magic.recover.engine import finish_blackbox
+
         self._running.__exit__(None, None, None)
         report, meter = self.report, self._meter
         kind = Outcome.OK if value is None else kind_of(value)
+        box, self._box = self._box, None
+        if box is not None:
+            if kind is Outcome.OOM:
+                box.failed()
+            box.pause()
         if kind is not Outcome.OOM:
             report.attempts.append(Attempt(None, kind, meter.peak(), start_allocated=self._start))
             report.outcome = kind
             if value is not None:
                 report.exception_text = error_text(value)
+            if box is not None:
+                finish_blackbox(box, report, meter, self._limit, None)
             conclude(report, meter)
+            if self.timeline and not self.quiet and kind is Outcome.OK:
+                from cuda_magic.display.show import show
+
+                show(report)
             return False
         failure = read_failure(value, meter)
         report.oom, report.failure = failure.oom, failure.point
@@ -160,6 +192,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         attempt = Attempt(None, Outcome.OOM, meter.peak(), failure.oom.requested, start_allocated=self._start)
         report.attempts.append(attempt)
         del tb
+        if box is not None:
+            finish_blackbox(box, report, meter, self._limit, None)
         attempt.reclaimed = release_failure(value, failure, meter)
         del value
         if attempt.reclaimed is not None:

@@ -6,6 +6,8 @@ import textwrap
 
 import pytest
 
+from cuda_magic.memory.holders import Holder
+
 from cuda_magic.memory.records import CellRecord, Snapshot, TensorRecord, diff
 
 from cuda_magic.devices.records import DeviceMemory, ProcessMemory
@@ -78,7 +80,8 @@ def guard_report():
                 Advice("Log losses with .item()", "losses.append(loss.item())"),
                 Advice("Turn on expandable segments",
                        "%env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")],
-        holders=[("losses", 2 * GiB), ("<b>x</b>", 5 * MiB)])
+        holders=[Holder("losses", 2 * GiB, shared=1 * GiB, kind="graph", what="list of 300 scalar tensors with grad_fn",
+                        shared_with=("preds",)), Holder("<b>x</b>", 5 * MiB)])
     return GuardReport(
         device="cuda:0", before=before, after=after, peaks={"cuda:0": int(7.9 * GiB)}, attempts=attempts,
         retry=Retry("batch_size", 64, final=16), oom=oom, diagnosis=diagnosis,
@@ -172,7 +175,8 @@ def test_guard_text_within_one_screen_with_all_facts():
     assert "line 3: out = model(x.expand(batch_size, -1))" in text
     for fact in ("tried to allocate 1.00 GiB", "free 100.00 MiB", "this process 7.80 GiB",
                  "allocated by PyTorch 7.00 GiB", "reserved but unallocated 600.00 MiB",
-                 "Names in the notebook keep", "losses (2.00 GiB)", "1. Use a smaller batch",
+                 "Names in the notebook keep", "losses (2.00 GiB, list of 300 scalar tensors with grad_fn; 1.00 GiB more",
+                 "shared with preds)", "1. Use a smaller batch",
                  "losses.append(loss.item())", "expandable_segments:True",
                  "Memory reclaimed: 6.50 GiB on cuda:0", "kernel can keep going"):
         assert fact in text, fact

@@ -311,3 +311,22 @@ def test_search_from_any_start(variant, maximum, fixed_share, capacity_gib, base
     slack = kw.get("step", 1)  # rounding makes memory a staircase: one step of slack
     assert policy.best >= 0.95 * true_max - slack, policy.history
     assert len(policy.attempts) <= (4 if variant == "single" else 8), policy.history
+
+
+def test_exact_tries_only_divisors_of_the_effective_batch():
+    from cuda_magic.recover.retry import BatchSearch, divisors
+
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and divisors(49) == [1, 7, 49]
+    policy = BatchSearch(48, 1, search=True, capacity=1000, allowed=divisors(48))
+    tried = [policy.first()]
+    fits = 20                                        # values up to 20 fit; 48's divisors below: 16
+    while True:
+        v = tried[-1]
+        policy.record(v, v <= fits, peak=v * 40 if v <= fits else None, requested=None if v <= fits else 400,
+                      baseline=0, allocated_at_failure=None if v <= fits else v * 30)
+        nxt = policy.next()
+        if nxt is None:
+            break
+        tried.append(nxt)
+    assert all(48 % v == 0 for v in tried)
+    assert policy.best == 16 and len(set(tried)) == len(tried)

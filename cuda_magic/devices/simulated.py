@@ -108,6 +108,7 @@ class SimulatedDevice:
         self._finalizers: dict[int, weakref.finalize] = {}
         self._lock = threading.Lock()
         self._mode = None
+        self.recorder = None          # the black box (devices/blackbox.py) while a guarded run records
 
     @property
     def key(self) -> str:
@@ -162,7 +163,19 @@ class SimulatedDevice:
     # -- accounting --------------------------------------------------------------------------------
     def _check(self, needed: int) -> None:
         if needed and self.allocated + needed > self.capacity:
+            if self.recorder is not None:
+                self.recorder.oom(needed, self.allocated)
             raise self.out_of_memory(needed)
+
+    def attach_recorder(self, recorder) -> None:
+        """Record allocations, frees and failing requests into `recorder` (a blackbox.Recorder); the
+        storages alive now are its starting set."""
+        with self._lock:
+            recorder.seed(dict(self._live), self.allocated)
+            self.recorder = recorder
+
+    def detach_recorder(self) -> None:
+        self.recorder = None
 
     def out_of_memory(self, requested: int):
         from cuda_magic.devices.errors import oom_error_class
@@ -197,13 +210,19 @@ class SimulatedDevice:
                         self._live[key] = nbytes
                         self.allocated += nbytes
                         self._finalizers[key] = weakref.finalize(storage, self._release, key)
+                        if self.recorder is not None:
+                            self.recorder.alloc(key, nbytes, self.allocated)
                     elif nbytes != known:          # resized in place (out= arguments, resize_)
                         self._live[key] = nbytes
                         self.allocated += nbytes - known
                         grown += max(0, nbytes - known)
+                        if self.recorder is not None:
+                            self.recorder.resize(key, nbytes, self.allocated)
                     if self.allocated > self.peak:
                         self.peak = self.allocated
         if grown and self.allocated > self.capacity:
+            if self.recorder is not None:
+                self.recorder.oom(grown, self.allocated - grown)
             raise self.out_of_memory(grown)
 
     def _release(self, key: int) -> None:
@@ -211,6 +230,8 @@ class SimulatedDevice:
             nbytes = self._live.pop(key, 0)
             self._finalizers.pop(key, None)
             self.allocated -= nbytes
+            if self.recorder is not None:
+                self.recorder.free(key, self.allocated)
 
     def count_existing(self) -> int:
         """Count the CPU tensor storages that already exist (a gc scan), as a GPU counts what the notebook

@@ -11,6 +11,7 @@ from html import escape
 from cuda_magic.devices.records import PARTS
 from cuda_magic.display.layout import kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
+from cuda_magic.reprs import render
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
                                        percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
@@ -280,8 +281,10 @@ def diagnosis_html(report) -> str:
     if diag is not None:
         out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {escape(diag.summary)}</div>')
         if report.holders_shown:
-            held = ", ".join(f"<code style=\"{CODE}\">{escape(n)}</code> {format_bytes(b)}"
-                             for n, b in report.holders_shown)
+            held = ", ".join(
+                f'<code style="{CODE}">{escape(h.description)}</code> {format_bytes(h.bytes)}'
+                + (f' <span style="{MUTED}">(+{format_bytes(h.shared)} shared with {escape(", ".join(h.shared_with[:3]))})</span>'
+                   if h.shared else "") for h in report.holders_shown)
             more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
             out.append(f"<div>Kept alive by names: {held}{more}</div>")
         if diag.advice:
@@ -313,9 +316,14 @@ def notes_html(report) -> str:
                    + [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings])
 
 
+def blackbox_html(report, running: bool = False) -> str:
+    """The report's black box (display/timeline.py, through the record), where the report says to show it."""
+    return render(report.blackbox, "html") if report.show_blackbox and not running else ""
+
+
 def guard_html(report, running: bool = False) -> str:
     parts = [guard_title_html(report, running), guard_devices_html(report), attempts_html(report),
-             diagnosis_html(report)]
+             blackbox_html(report, running), diagnosis_html(report)]
     if report.show_reclaimed and not running:
         parts.append(reclaimed_html(report))
     parts.append(notes_html(report))

@@ -45,6 +45,7 @@ def forms_of(obj):
     from cuda_magic.memory.records import CellRecord, Snapshot, SnapshotDiff
     from cuda_magic.devices.records import DeviceMemory, ProcessMemory
     from cuda_magic.recover.report import GuardReport, ReleaseReport
+    from cuda_magic.memory.timeline import Timeline
     from cuda_magic.display import html as H
     from cuda_magic.display import layout as L
     from cuda_magic.display import text as T
@@ -56,6 +57,10 @@ def forms_of(obj):
         return (lambda: T.diff_text(obj), lambda: H.diff_html(obj), None)
     if isinstance(obj, GuardReport):
         return (lambda: T.guard_text(obj), lambda: H.guard_html(obj), lambda: W.GuardWidget(obj))
+    if isinstance(obj, Timeline):
+        from cuda_magic.display import timeline as TL
+
+        return (lambda: TL.timeline_text(obj), lambda: H.box(TL.timeline_html(obj), "cuda-magic-blackbox"), None)
     if isinstance(obj, ReleaseReport):
         return (lambda: T.release_text(obj), lambda: H.release_html(obj), None)
     if isinstance(obj, CellRecord):

@@ -15,6 +15,7 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        attempt_headers)
 from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
+from cuda_magic.reprs import render
 from cuda_magic.units import format_bytes, format_duration
 
 BAR_SYMBOLS = {
@@ -194,6 +195,14 @@ def guard_devices_text(report) -> list[str]:
             + table(headers, rows, right={1, 2, 3, 4, 5}))
 
 
+def holder_words(h) -> str:
+    """'losses (91.00 MiB, list of 300 tensors with grad_fn; 109.00 MiB more shared with preds)': the
+    first figure is what deleting the name gives back."""
+    what = f", {h.what}" if h.what else ""
+    shared = f"; {format_bytes(h.shared)} more shared with {', '.join(h.shared_with[:3])}" if h.shared else ""
+    return f"{h.name} ({format_bytes(h.bytes)}{what}{shared})"
+
+
 def attempt_line(attempt, number: int, variable: str | None) -> str:
     """One line per attempt of a retried cell, printed as it happens."""
     value = f" {variable}={attempt.value}" if variable else ""
@@ -230,13 +239,15 @@ def guard_text(report, running: bool = False) -> str:
         lines += wrap_items(oom_title(report.oom) + (":" if items else ""), items)
     if report.by_kind:
         lines += kinds_text(report.device, report.by_kind, title="At the failure, by kind")
+    if report.show_blackbox and not running:
+        lines.append(render(report.blackbox, "text"))     # display/timeline.py, through the record
     diag = report.diagnosis
     if diag is not None:
         lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")
         if report.holders_shown:
-            held = ", ".join(f"{n} ({format_bytes(b)})" for n, b in report.holders_shown)
+            held = ", ".join(holder_words(h) for h in report.holders_shown)
             more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
-            lines.append(f"  kept alive by names: {held}{more}")
+            lines += textwrap.wrap(f"  kept alive by names: {held}{more}", 100, subsequent_indent="    ")
         if diag.advice:
             lines.append("Try, most useful first:")
             for i, adv in enumerate(diag.advice[:MAX_ADVICE], 1):

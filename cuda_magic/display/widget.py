@@ -158,12 +158,14 @@ class GuardWidget(RecordWidget):
         self.levels = with_classes(widgets.HTML(), "cuda-magic-guard")
         self.attempts = with_classes(widgets.HTML(), "cuda-magic-attempts")
         self.diagnosis = with_classes(widgets.HTML(), "cuda-magic-diagnosis")
+        self.blackbox = with_classes(widgets.HTML(), "cuda-magic-blackbox")
         self.reclaimed = with_classes(widgets.HTML(), "cuda-magic-reclaimed")
         self.warnings = widgets.HTML()
         # the live gauge (display.gauge) draws here while the cell runs; hidden until it first draws
         self.gauge = with_classes(widgets.HTML(layout=widgets.Layout(display="none")), "cuda-magic-gauge-widget")
         self.widget = with_classes(
-            widgets.VBox([self.title, self.levels, self.gauge, self.attempts, self.diagnosis, self.reclaimed,
+            widgets.VBox([self.title, self.levels, self.gauge, self.attempts, self.blackbox, self.diagnosis,
+                          self.reclaimed,
                           self.warnings],
                          layout=widgets.Layout(max_width="860px")),
             "cuda-magic-widget")
@@ -187,6 +189,7 @@ class GuardWidget(RecordWidget):
         self._show(self.title, H.guard_title_html(report, running))
         self._show(self.levels, H.guard_devices_html(report))
         self._show(self.attempts, H.attempts_html(report))
+        self._show(self.blackbox, H.blackbox_html(report, running))
         self._show(self.diagnosis, H.diagnosis_html(report))
         self._show(self.reclaimed, H.reclaimed_html(report) if report.show_reclaimed and not running else "")
         self._show(self.warnings, H.notes_html(report))

@@ -21,11 +21,14 @@ class GuardMagics(Magics):
     @argument("--min", dest="floor", default=None, metavar="N", help="with -r: never go below N (default 1)")
     @argument("--search", action="store_true", help="with -r: find the largest value that fits (probes, each undone), then run the cell once at it")
     @argument("-a", dest="accumulate", default=None, metavar="VAR2", help="with -r: scale VAR2 so that VAR x VAR2 (the effective batch) stays at least what it was")
+    @argument("--exact", action="store_true", help="with -a: VAR only takes divisors of the effective batch, so that VAR x VAR2 equals it exactly")
     @argument("--amp", choices=("bf16", "fp16"), default=None, help="run the cell under torch.autocast")
     @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
     @argument("-d", dest="device", default=None, metavar="DEVICE", help="the device to measure and cap (0, cuda:1)")
     @argument("--expandable-segments", dest="expandable", action="store_true", help="switch the CUDA allocator's expandable_segments on first (against fragmentation), keeping its other options")
     @argument("--no-live", dest="no_live", action="store_true", help="no live gauge of the device while the cell runs (notebooks show one after about a second)")
+    @argument("--timeline", dest="timeline", action="store_true", help="show the black box (memory over the run, alive at the peak by line) for a run that fits too")
+    @argument("--no-timeline", dest="no_timeline", action="store_true", help="record nothing: no black box")
     @argument("--no-raise", dest="no_raise", action="store_true", help="after an OOM, return instead of raising")
     @argument("-q", dest="quiet", action="store_true", help="show only the OOM report, nothing for a cell that ran")
     @argument("-o", dest="output", action="store_true", help="return the report object")
@@ -107,6 +110,9 @@ class GuardMagics(Magics):
         from cuda_magic.recover.report import GuardReport
 
         ns = self.shell.user_ns
+        if args.timeline and args.no_timeline:
+            raise UsageError("--timeline and --no-timeline exclude each other")
+        timeline = True if args.timeline else (False if args.no_timeline else None)
         retry = self._retry_options(args, ns)
         meter, limit = self._meter(args)
         if args.expandable:
@@ -121,7 +127,7 @@ class GuardMagics(Magics):
             start_guard_gauge(handle, meter)   # nothing where no gauge can be seen (terminal IPython)
         engine = GuardEngine(meter, values=ns, namespace=ns, retry=retry, limit=limit, amp=args.amp,
                              filename=compiled.filename, lines=compiled.lines, on_attempt=handle.add_attempt,
-                             on_note=None if args.quiet else _print_note)
+                             on_note=None if args.quiet else _print_note, timeline=timeline)
         return GuardedCell(self.shell, args, meter, compiled, report, handle, engine)
 
     def _expandable_segments(self, quiet: bool) -> None:
@@ -148,6 +154,8 @@ class GuardMagics(Magics):
             raise UsageError("--search needs -r VAR: it searches values of the retried variable")
         if args.accumulate is not None and args.retry is None:
             raise UsageError("-a VAR2 needs -r VAR: VAR2 is scaled as VAR is reduced")
+        if args.exact and args.accumulate is None:
+            raise UsageError("--exact needs -a VAR2: it keeps VAR x VAR2 equal to the effective batch")
         if args.retry is None:
             return None
         variable = _positive_int_variable(ns, args.retry, "-r")
@@ -158,7 +166,7 @@ class GuardMagics(Magics):
                 raise UsageError("-a must name another variable than -r")
         if ns[variable] < floor:
             raise UsageError(f"{variable} is {ns[variable]}, already below --min {floor}")
-        return RetrySpec(variable, accumulate, floor, args.search)
+        return RetrySpec(variable, accumulate, floor, args.search, args.exact)
 
     def _meter(self, args):
         from cuda_magic.devices.meter import choose_meter

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from cuda_magic.devices.allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
+from cuda_magic.memory.holders import Holder
 from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
 from cuda_magic.oom.records import Advice, Diagnosis, OomFields
 from cuda_magic.units import format_bytes
@@ -18,6 +19,7 @@ CAUSE_LABELS = {
     "fragmentation": "fragmentation of PyTorch's cache",
     "other_processes": "memory held by other processes",
     "names_holding": "tensors kept alive by notebook names",
+    "free_reported": "the device reported enough free memory",
     "unknown": "no clear cause in the figures",
 }
 _ORDER = tuple(CAUSE_LABELS)          # breaks ties between causes that explain as many bytes
@@ -33,7 +35,9 @@ _GPU_BACKENDS = ("cuda", "hip", "cublas", "cudnn", "xpu")
 
 def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacity: int | None = None,
              peak: int | None = None, alloc_conf: str = "", limit: int | None = None,
-             batch_var: str | None = None, accum_var: str | None = None, api: bool = False) -> Diagnosis:
+             batch_var: str | None = None, accum_var: str | None = None, api: bool = False,
+             inference: bool = False, retried: bool = False,
+             top_line: tuple[int, str, str] | None = None) -> Diagnosis:
     """Causes of the OOM `fields` describes, ranked by the bytes each explains, and advice for them.
 
     holders: (description, bytes) of notebook names that still hold device memory, e.g.
@@ -43,16 +47,21 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     settings in force (kept in the expandable_segments line). limit: a cap on what the cell may use
     (`-l`), which counts as the capacity. batch_var / accum_var: the names to put in the
     `%%oomguard -r BATCH -a ACCUM` line. api: the run was guarded by the Python API, so the advice speaks
-    of it (`oomguard(retry=...)`, `release()`), not of magics or a kernel.
+    of it (`oomguard(retry=...)`, `release()`), not of magics or a kernel. holders may be
+    `memory.holders.Holder` records (what deleting each name gives back, its kind) or (description, bytes)
+    pairs. inference: no autograd graph was being built (no_grad, inference_mode, generate): advice about
+    sequences and caches, not training. retried: a smaller batch already fitted (no "use a smaller
+    batch"). top_line: (bytes, code, where) of the line that held the most at the failure (the black
+    box), cited in the summary.
     """
     device_cap = fields.capacity if fields.capacity is not None else device_capacity
     caps = [c for c in (device_cap, fields.allowed, limit) if c is not None]
     capacity = min(caps) if caps else None
     limited = capacity is not None and capacity != device_cap
     request, free = fields.requested, fields.free
-    held = sorted(((str(n), int(b)) for n, b in holders if b and b > 0), key=lambda h: -h[1])
-    held_total = sum(b for _, b in held)
     shortfall = max(0, request - free) if request is not None and free is not None else request
+    held = _listed(holders, shortfall)
+    held_total = sum(h.bytes for h in held)
     # Plenty free and still out of memory: a limit or the driver, not what holds memory here. (A few
     # MiB free on a full device is no room: the allocator asks the driver for whole segments.)
     plenty_free = (shortfall == 0 and free is not None and capacity is not None
@@ -62,14 +71,18 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     if request is not None and capacity and request > capacity:
         found["request_exceeds_capacity"] = request
 
+    # With plenty reported free, what holds memory here is no cause; memory held outside PyTorch and
+    # fragmentation still are where they exceed what was free beyond the request (the free figure may
+    # be stale), and they come before "the device reported enough free".
+    slack = (free - request) if plenty_free else 0
     cached = fields.reserved_unallocated or 0
-    if cached and not plenty_free and (
+    if cached > slack and (
             (request is not None and cached >= request and cached >= _FRAGMENT_FLOOR)
             or (capacity and cached > _SHARE * capacity)):
         found["fragmentation"] = cached
 
     others, estimated = _others(fields, device_cap)
-    if others and not plenty_free and capacity:
+    if others and others > slack and capacity:
         if estimated:
             significant = others > max(_SHARE * capacity, _CONTEXT_ALLOWANCE)
         else:
@@ -97,12 +110,50 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
         if too_large:
             found["too_large"] = max(0, (working or 0) - kept) + request
 
-    causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c))) or ["unknown"]
+    causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c)))
+    leak = "names_holding" in found and any(h.kind == "graph" for h in held)
+    if leak:                      # the classic leak (graphs kept by logged losses) comes first
+        causes.remove("names_holding")
+        causes.insert(0, "names_holding")
+    elif ("fragmentation" in found and request is not None and cached >= request
+          and (free is None or free < request)):
+        causes.remove("fragmentation")        # the cache alone could have served the request
+        causes.insert(0, "fragmentation")
+    if plenty_free:
+        causes.append("free_reported")
+    causes = causes or ["unknown"]
     context = dict(fields=fields, capacity=capacity, limited=limited, peak=peak, held=held, found=found,
-                   others_estimated=estimated, amp=amp, alloc_conf=alloc_conf,
+                   others_estimated=estimated, amp=amp, alloc_conf=alloc_conf, inference=inference,
+                   retried=retried, top_line=top_line, causes=causes,
                    batch=batch_var or "BATCH", accum=accum_var or "ACCUM", api=api)
     return Diagnosis(causes=causes, summary=_summary(causes, context), advice=_advice(causes, context),
                      holders=held)
+
+
+def _as_holder(h) -> Holder:
+    if isinstance(h, Holder):
+        return h
+    name, nbytes = h
+    name = str(name)
+    return Holder(name, int(nbytes or 0), kind="graph" if _with_graph(name) else "tensor")
+
+
+def _expected(h: Holder) -> bool:
+    """A model being trained and its optimizer: memory the cell needs, not a surprise."""
+    return h.training and h.kind in ("model", "optimizer")
+
+
+def _listed(holders, shortfall: int | None) -> list[Holder]:
+    """The holders worth naming, largest first: a model being trained and its optimizer only where
+    deleting one alone would make the request fit."""
+    out = []
+    for h in map(_as_holder, holders):
+        if h.bytes <= 0:
+            continue
+        if _expected(h) and not (shortfall and h.bytes >= shortfall):
+            continue
+        out.append(h)
+    return sorted(out, key=lambda h: -h.bytes)
 
 
 def _others(fields: OomFields, capacity: int | None) -> tuple[int | None, bool]:
@@ -140,6 +191,10 @@ def _summary(causes: list[str], ctx: dict) -> str:
         elif cap is not None:
             first += f" on a device of {format_bytes(cap)}"
     phrases = [_phrase(c, ctx) for c in causes]
+    top = ctx["top_line"]
+    if top is not None and causes[0] in ("too_large", "request_exceeds_capacity", "unknown", "free_reported"):
+        nbytes, code, where = top
+        phrases[0] += f" ({format_bytes(nbytes)} was alive from `{code}` at {where})"
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
     if len(phrases) > 1:
         second += "; also " + "; ".join(phrases[1:])
@@ -173,8 +228,10 @@ def _phrase(cause: str, ctx: dict) -> str:
             return (f"{format_bytes(found[cause])} is used outside PyTorch (other processes, or libraries "
                     "in this one)")
         return f"other processes hold {format_bytes(found[cause])} of the device"
+    if cause == "free_reported":
+        return _free_phrase(f)
     if cause == "names_holding":
-        top = ", ".join(f"{n} ({format_bytes(b)})" for n, b in ctx["held"][:3])
+        top = ", ".join(f"{h.description} ({format_bytes(h.bytes)})" for h in ctx["held"][:3])
         more = f" and {len(ctx['held']) - 3} more" if len(ctx["held"]) > 3 else ""
         names = "names" if ctx.get("api") else "notebook names"
         return f"{names} keep {format_bytes(found[cause])} alive: {top}{more}"
@@ -191,9 +248,14 @@ def _unknown_phrase(f: OomFields) -> str:
     if f.backend == "cublas":
         return "cuBLAS could not allocate its workspace: the device was already (nearly) full"
     if f.requested is not None and f.free is not None and f.free >= f.requested:
-        return (f"the device reported {format_bytes(f.free)} free, more than requested: a per-process "
-                "memory limit, or free memory the driver could not hand out in one piece")
+        return _free_phrase(f)
     return "the message states no figures that explain it"
+
+
+def _free_phrase(f: OomFields) -> str:
+    return (f"the device reported {format_bytes(f.free)} free, more than requested: likely a per-process "
+            "memory fraction (torch.cuda.set_per_process_memory_fraction), or another process allocating "
+            "at the same moment")
 
 
 # -- advice ---------------------------------------------------------------------------------------
@@ -204,20 +266,37 @@ _PLAN = {
     "fragmentation": ("expandable", "freecuda", "batch"),
     "other_processes": ("processes",),
     "names_holding": ("detach", "cpu_metrics", "delete"),
+    "free_reported": ("processes", "freecuda"),
     "unknown": ("contiguous", "freecuda", "batch", "amp"),
 }
 _TAIL = ("batch", "amp", "accumulate")
+# Without an autograd graph (no_grad, inference_mode, generate) training advice does not apply.
+_INFERENCE = {"batch": ("sequences", "generation", "kv_cache"), "accumulate": (), "checkpoint": ()}
+SHOWN = 5                             # the display shows this many: advice that must be seen goes above
 
 
 def _advice(causes: list[str], ctx: dict) -> list[Advice]:
     advice, done = [], set()
-    for key in [k for c in causes for k in _PLAN[c]] + list(_TAIL):
-        if key in done:
+    keys = [k for c in causes for k in _PLAN[c]] + list(_TAIL)
+    if ctx["inference"]:
+        keys = [k2 for k in keys for k2 in _INFERENCE.get(k, (k,))]
+    items = {}
+    for key in keys:
+        if key not in items:
+            items[key] = _ADVICE[key](ctx)
+    # each cause named gets its first remedy among those shown (expandable_segments whenever
+    # fragmentation is named, %gpumem --processes for memory outside PyTorch), then the rest in order
+    firsts = []
+    for c in causes:
+        plan = [k2 for k in _PLAN[c] for k2 in (_INFERENCE.get(k, (k,)) if ctx["inference"] else (k,))]
+        first = next((k for k in plan if items.get(k) is not None), None)
+        if first is not None and first not in firsts:
+            firsts.append(first)
+    for key in firsts[:SHOWN] + [k for k in items if k not in firsts]:
+        if key in done or items[key] is None:
             continue
         done.add(key)
-        item = _ADVICE[key](ctx)
-        if item is not None:
-            advice.append(item)
+        advice.append(items[key])
     return advice
 
 
@@ -239,6 +318,8 @@ def _container(name: str) -> str | None:
 
 
 def _batch(ctx):
+    if ctx["retried"]:
+        return None                   # a smaller batch already fitted
     if ctx["api"]:
         line = f"@oomguard(retry=\"{ctx['batch']}\", accumulate=\"{ctx['accum']}\")"
         return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx['batch']} "
@@ -253,9 +334,30 @@ def _amp(ctx):
         return None
     f = ctx["fields"]
     device_type = {"cpu": "cpu", "simulated": "cpu", "mps": "mps", "xpu": "xpu"}.get(f.backend, "cuda")
-    return Advice("Run in mixed precision: activations take half the memory. In plain code: "
+    return Advice("Run in mixed precision: activations take half the memory, but autocast also keeps a "
+                  "half-precision copy of the weights it casts, so a small model with few activations can "
+                  "peak higher under it. In plain code: "
                   f"`with torch.autocast('{device_type}', dtype=torch.bfloat16):` around the forward pass "
                   "and the loss.", "oomguard(amp=\"bf16\")" if ctx["api"] else "%%oomguard --amp bf16")
+
+
+def _sequences(ctx):
+    if ctx["retried"]:
+        return None
+    line = f"@oomguard(retry=\"{ctx['batch']}\")" if ctx["api"] else f"%%oomguard -r {ctx['batch']}"
+    return Advice(f"Run fewer sequences per batch: without a graph, memory grows with the sequences in "
+                  f"flight and their length (`{line}` finds a number that fits).", line)
+
+
+def _generation(ctx):
+    return Advice("Generate fewer new tokens, or cut long prompts: every generated token adds to the "
+                  "attention and the cache.", "model.generate(**inputs, max_new_tokens=128)")
+
+
+def _kv_cache(ctx):
+    return Advice("Shrink the KV cache: it grows with batch x sequence length x layers; a static or "
+                  "quantized cache, or a shorter maximum length, bounds it.",
+                  "model.generate(**inputs, cache_implementation='static')")
 
 
 def _accumulate(ctx):
@@ -304,22 +406,31 @@ def _processes(ctx):
 
 
 def _holders_where(ctx, test):
-    return [(n, v) for n, _ in ctx["held"] if test(n) and (v := _variable(n))]
+    return [(h.description, v) for h in ctx["held"] if test(h) and (v := _variable(h.name))]
 
 
 def _detach(ctx):
-    graphs = _holders_where(ctx, lambda n: _with_graph(n) and _container(n))
+    graphs = [h for h in ctx["held"] if (h.kind == "graph" or _with_graph(h.description)) and _variable(h.name)]
     if not graphs:
         return None
-    name, var = graphs[0]
-    code = (f"{var}.append(loss.item())  # not {var}.append(loss)" if _container(name) == "list"
-            else "loss.item()  # keep this float, not the tensor")
-    return Advice(f"`{var}` keeps the autograd graph of every step alive ({name}): log numbers with "
-                  "`.item()`, or tensors with `.detach()`.", code)
+    # logged losses (scalars) are the classic case: name them before collected outputs
+    holder = sorted(graphs, key=lambda h: " scalar " not in h.what)[0]
+    name, var = holder.description, _variable(holder.name)
+    if _container(name):
+        if holder.what and " scalar " not in holder.what and _container(name) == "list":
+            code = f"{var}.append(out.detach())  # not {var}.append(out)"
+        else:
+            code = (f"{var}.append(loss.item())  # not {var}.append(loss)" if _container(name) == "list"
+                    else "loss.item()  # keep this float, not the tensor")
+        return Advice(f"`{var}` keeps the autograd graph of every step alive ({name}): log numbers with "
+                      "`.item()`, or tensors with `.detach()`.", code)
+    return Advice(f"`{var}` is a tensor with grad_fn: it keeps its autograd graph (and what the graph saved) "
+                  f"alive; keep a number with `.item()`, or a tensor with `.detach()`.",
+                  f"{var} = {var}.detach()  # or {var}.item() for a number")
 
 
 def _cpu_metrics(ctx):
-    kept = _holders_where(ctx, lambda n: _container(n) is not None)
+    kept = _holders_where(ctx, lambda h: _container(h.description) is not None)
     if not kept:
         return None
     # a container of graphs is the `.detach()` advice's; prefer one that only holds outputs
@@ -330,7 +441,9 @@ def _cpu_metrics(ctx):
 
 
 def _delete(ctx):
-    names = list(dict.fromkeys(v for _, v in _holders_where(ctx, lambda n: True)))
+    if "request_exceeds_capacity" in ctx["causes"]:
+        return None                   # no clean-up makes one allocation larger than the device fit
+    names = list(dict.fromkeys(v for _, v in _holders_where(ctx, lambda h: not _expected(h))))
     if not names:
         return None
     joined = " ".join(names)
@@ -354,6 +467,7 @@ _ADVICE = {
     "batch": _batch, "amp": _amp, "accumulate": _accumulate, "checkpoint": _checkpoint, "split": _split,
     "expandable": _expandable, "freecuda": _freecuda, "processes": _processes, "detach": _detach,
     "cpu_metrics": _cpu_metrics, "delete": _delete, "contiguous": _contiguous,
+    "sequences": _sequences, "generation": _generation, "kv_cache": _kv_cache,
 }
 
 

@@ -38,7 +38,7 @@ class Diagnosis:
     """Why memory ran out: the causes found, most important first, and advice ranked for them."""
 
     causes: list[str]                     # keys: 'fragmentation', 'other_processes', 'names_holding',
-                                          # 'too_large', 'request_exceeds_capacity', 'unknown'
+                                          # 'too_large', 'request_exceeds_capacity', 'free_reported', 'unknown'
     summary: str                          # one or two sentences for people
     advice: list[Advice] = field(default_factory=list)
-    holders: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) kept alive by names
+    holders: list = field(default_factory=list)   # memory.holders.Holder: names worth naming, largest first

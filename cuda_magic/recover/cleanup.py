@@ -17,6 +17,7 @@ from cuda_magic.ipython import shell_or_current, user_variables
 from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
+from cuda_magic.memory.holders import name_holders
 from cuda_magic.memory.reach import SKIP_TYPES, device_storages, storage_key_and_bytes
 from cuda_magic.recover.report import ReleaseReport
 
@@ -118,26 +119,11 @@ def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
     return held
 
 
-def shared_holders(shell) -> list[tuple[str, int]]:
-    """Like device_holders, but storages shared by several variables (a tensor and its view, a model
-    and its parameter) are counted once: such variables are listed together ("a, b"), largest first."""
-    groups: list[tuple[list[str], dict[int, int]]] = []
-    for name, value in user_variables(shell).items():
-        if isinstance(value, SKIP_TYPES):
-            continue
-        storages = held_storages(value)
-        if not storages:
-            continue
-        overlapping = [g for g in groups if g[1].keys() & storages.keys()]
-        names, merged = [name], dict(storages)
-        for g in overlapping:
-            names = g[0] + names
-            merged.update(g[1])
-            groups.remove(g)
-        groups.append((names, merged))
-    held = [(", ".join(names), sum(storages.values())) for names, storages in groups]
-    held.sort(key=lambda item: (-item[1], item[0]))
-    return held
+def shared_holders(shell) -> list:
+    """The names holding device memory, as the diagnosis needs them (memory.holders.Holder): what deleting
+    each gives back, what it shares with other names (a model and its optimizer share the parameters),
+    and its kind (a model being trained and its optimizer are expected; logged graphs are not)."""
+    return name_holders(user_variables(shell), storages_of=held_storages)
 
 
 def all_device_variables(shell) -> list[str]:

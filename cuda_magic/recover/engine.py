@@ -25,6 +25,7 @@ class RetrySpec:
     accumulate: str | None = None
     floor: int = 1
     search: bool = False
+    exact: bool = False          # with accumulate: only divisors of the effective batch (VAR x VAR2 exact)
 
 
 @dataclass
@@ -57,8 +58,11 @@ class GuardEngine:
     """
 
     def __init__(self, meter, *, values=None, namespace=None, retry: RetrySpec | None = None, limit=None,
-                 amp=None, filename=None, lines=None, roots=(), on_attempt=None, on_note=None):
+                 amp=None, filename=None, lines=None, roots=(), on_attempt=None, on_note=None,
+                 timeline: bool | None = None):
         self.meter, self.values, self.namespace = meter, values, namespace
+        self.timeline = timeline        # None: record, shown after an OOM; True: shown always; False: off
+        self.box = None
         self.retry, self.limit, self.amp = retry, limit, amp
         self.filename, self.lines = filename, lines
         self.roots = roots
@@ -76,17 +80,27 @@ class GuardEngine:
         meter.reset_peak()
         t0 = time.perf_counter()
         failed = None
+        box = self.box
+        if box is not None:
+            box.begin_attempt(len(self.report.attempts))
         try:
             with meter.running(self.limit), autocast(self.amp, meter):
                 out = call()
                 if getattr(call, "is_async", False) and inspect.isawaitable(out):
                     out = await out
         except KeyboardInterrupt:
+            if box is not None:
+                box.pause()
             self._record(Attempt(value, Outcome.INTERRUPTED, meter.peak(), duration=time.perf_counter() - t0,
                                  start_allocated=start))
             raise
         except Exception as exc:
-            if kind_of(exc) is not Outcome.OOM:
+            kind = kind_of(exc)
+            if box is not None:
+                if kind is Outcome.OOM:
+                    box.failed()
+                box.pause()
+            if kind is not Outcome.OOM:
                 attempt = Attempt(value, Outcome.ERROR, meter.peak(), duration=time.perf_counter() - t0,
                                   start_allocated=start)
                 return RunResult(self._record(attempt), error=exc)
@@ -95,6 +109,8 @@ class GuardEngine:
                               time.perf_counter() - t0, start)
             failed = exc
         else:
+            if box is not None:
+                box.pause()
             attempt = Attempt(value, Outcome.OK, meter.peak(), duration=time.perf_counter() - t0,
                               start_allocated=start)
             return RunResult(self._record(attempt), value=out)
@@ -135,6 +151,21 @@ class GuardEngine:
                     f"({format_bytes(capacity)}): the capacity is the limit")
             report.warnings.append(note)
             self.on_note(note)
+        report.timeline_requested = bool(self.timeline)
+        if self.timeline is not False:
+            self.box = start_blackbox(self.meter, self.filename)
+        try:
+            return await self._run(call, report)
+        finally:
+            self._finish_box(report)
+
+    def _finish_box(self, report: GuardReport) -> None:
+        box, self.box = self.box, None
+        if box is not None:
+            finish_blackbox(box, report, self.meter, self.limit, self.lines)
+
+    async def _run(self, call, report: GuardReport):
+        __tracebackhide__ = True  # noqa: F841
         if self.retry is None:
             try:
                 result = await self.run_once(call)
@@ -165,8 +196,13 @@ class GuardEngine:
         for note in checkpoint.take():
             report.warnings.append(note)
             self.on_note(note)
+        allowed = None
+        if spec.exact and spec.accumulate is not None:
+            from cuda_magic.recover.retry import divisors
+
+            allowed = divisors(retry.original * retry.original_accumulate)
         policy = BatchSearch(retry.original, spec.floor, spec.search,
-                             capacity=self.limit or capacity_of(self.meter))
+                             capacity=self.limit or capacity_of(self.meter), allowed=allowed)
         value = policy.first()
         kept = None                              # the run whose effects stand: (value, call's value)
         try:
@@ -273,6 +309,29 @@ def run_sync(coroutine):
         return stop.value
     coroutine.close()
     raise RuntimeError("the guarded call awaited something; run it with `await engine.run_async(...)`")
+
+
+def start_blackbox(meter, filename: str | None = None):
+    """The recording of one guarded run on the meter's device (devices/recording.py), started."""
+    from cuda_magic.devices.recording import BlackBox
+
+    box = BlackBox(meter, cell_filename=filename)
+    box.start()
+    return box
+
+
+def finish_blackbox(box, report: GuardReport, meter, limit: int | None, lines: list[str] | None) -> None:
+    """Stop the recording and put what it says on the report (`report.blackbox`)."""
+    from cuda_magic.memory.timeline import Timeline, timeline_from
+
+    recorder = box.stop()
+    if recorder is None:            # (no capacity asked: on an unused GPU that would start CUDA)
+        report.blackbox = Timeline(device=meter.key, notes=box.notes)
+        return
+    capacity = limit or capacity_of(meter)
+    failed = any(a.outcome == Outcome.OOM for a in report.attempts)
+    report.blackbox = timeline_from(recorder, device=meter.key, capacity=capacity, limited=limit is not None,
+                                    lines=lines, failed=failed)
 
 
 def collect_freed() -> None:

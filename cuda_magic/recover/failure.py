@@ -141,10 +141,16 @@ def conclude(report: GuardReport, meter, *, amp: bool = False, shell=None) -> No
     from cuda_magic.devices.allocator_conf import current_allocator_conf
     from cuda_magic.oom.diagnosis import diagnose
 
+    bb = report.blackbox
+    failed = bb.failure if bb is not None else None
+    top = bb.top if bb is not None and bb.at == "failure" else None
     report.diagnosis = diagnose(report.oom, holders=shared_holders(shell), amp=amp,
                                 device_capacity=capacity_of(meter), peak=report.peaks.get(meter.key),
                                 alloc_conf=current_allocator_conf(), limit=report.limit,
-                                batch_var=report.variable, accum_var=report.accumulate, api=report.api)
+                                batch_var=report.variable, accum_var=report.accumulate, api=report.api,
+                                inference=failed is not None and failed.grad_enabled is False,
+                                retried=report.outcome == Outcome.RECOVERED,
+                                top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None)
 
 
 def meter_for_failure(fields: OomFields):

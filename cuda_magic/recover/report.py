@@ -11,6 +11,7 @@ from enum import Enum
 from cuda_magic.reprs import Rendered, render
 
 from cuda_magic.devices.records import DeviceMemory
+from cuda_magic.memory.timeline import Timeline
 from cuda_magic.oom.records import Diagnosis, OomFields
 
 HOLDERS_SHOWN = 6          # names kept alive, listed by name; the rest counted
@@ -99,6 +100,8 @@ class GuardReport(Rendered):
     exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the run
     source: str = "%%oomguard"            # what guarded the run: '%%oomguard', '%oomguard on', 'oomguard'
     api: bool = False                     # run through the Python API: advice speaks of it, not of magics
+    blackbox: Timeline | None = None      # what the run did with memory, by line (None: not recorded)
+    timeline_requested: bool = False      # --timeline / timeline=True: show it for a run that fitted too
 
     def __post_init__(self):
         self.outcome = Outcome(self.outcome)
@@ -128,7 +131,28 @@ class GuardReport(Rendered):
     def final_accumulate(self) -> int | None:
         return self.retry.final_accumulate if self.retry else None
 
+    # the black box as DataFrames (`-o`) ----------------------------------------------------------
+    @property
+    def timeline(self):
+        """DataFrame: event, seconds, allocated (bytes), attempt; None where nothing was recorded."""
+        return self.blackbox.timeline_frame() if self.blackbox is not None else None
+
+    @property
+    def by_line(self):
+        """DataFrame: file, line, code, bytes, tensors alive at the failure (or the peak), largest first."""
+        return self.blackbox.by_line_frame() if self.blackbox is not None else None
+
     # what to show: decided here, drawn by each form ----------------------------------------------
+    @property
+    def show_blackbox(self) -> bool:
+        """The timeline and the by-line table: after an OOM (also one a retry recovered from), or when
+        asked for; its notes (no black box on this device) only when asked for or after an OOM."""
+        bb = self.blackbox
+        if bb is None:
+            return False
+        ran_out = any(a.outcome == Outcome.OOM for a in self.attempts)
+        return (ran_out or self.timeline_requested) and (bool(bb.points) or bool(bb.notes))
+
     @property
     def succeeded(self) -> bool:
         return self.outcome in (Outcome.OK, Outcome.RECOVERED)

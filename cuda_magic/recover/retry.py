@@ -68,6 +68,21 @@ class Measured:
         return self.requested + max(0, (allocated or 0) - (self.baseline or 0))
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, smallest first: the values `--exact` allows, so that VAR x VAR2 equals n."""
+    if n < 1:
+        raise ValueError(f"divisors of a positive integer only, not {n!r}")
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
 def scale_accumulation(original_value: int, original_accum: int, new_value: int) -> int:
     """The smallest accumulation count `a` with new_value * a >= original_value * original_accum."""
     if new_value < 1 or original_value < 1 or original_accum < 1:
@@ -84,7 +99,7 @@ class BatchSearch:
 
     def __init__(self, start: int, floor: int = 1, search: bool = False, capacity: int | None = None,
                  *, max_attempts: int = MAX_ATTEMPTS, goal: float = GOAL, margin: float = MARGIN,
-                 descent: float = DESCENT):
+                 descent: float = DESCENT, allowed: list[int] | None = None):
         for name, number in (("start", start), ("floor", floor)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"{name} must be a positive integer, not {number!r}")
@@ -101,6 +116,10 @@ class BatchSearch:
         self._pending: int | None = None
         self._done = False
         self.independent = False          # the memory did not change with the value: stopped
+        # --exact: only these values (the divisors of the effective batch) are tried
+        self.allowed = sorted(set(allowed)) if allowed is not None else None
+        if self.allowed is not None and start not in self.allowed:
+            raise ValueError(f"the value {start} is not among the allowed values")
 
     # the loop the guard drives -------------------------------------------------------------------
     def first(self) -> int:
@@ -151,10 +170,30 @@ class BatchSearch:
         if self._done or not self.history:
             return None
         value, reason = self._choose()
+        if value is not None and self.allowed is not None:
+            value, reason = self._snap(value, reason)
         if value is None:
             self._done, self.stop_reason, self.reason = True, reason, ""
             return None
         return self._propose(value, reason)
+
+    def _snap(self, value: int, reason: str) -> tuple[int | None, str]:
+        """--exact: the largest allowed value at or below `value` that is still open (above what fitted,
+        below what failed, at least the floor, not tried); going down with none there, the smallest open
+        one above it."""
+        tried = {m.value for m in self.history}
+        hi, best = self.smallest_failed, self.best
+        open_values = [v for v in self.allowed if v >= self.floor and v not in tried
+                       and (hi is None or v < hi) and (best is None or v > best)]
+        below = [v for v in open_values if v <= value]
+        if below:
+            chosen = below[-1]
+        elif best is None and open_values:
+            chosen = open_values[0]
+        else:
+            what = f"{best} is the largest" if best is not None else "no"
+            return None, f"{what} divisor of the effective batch that fits (--exact)"
+        return chosen, (reason if chosen == value else f"{reason}; {chosen}, a divisor of the effective batch")
 
     # results -----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,245 @@
+"""The black box's recorder: each storage's bytes and the line of user code that made it, each free, and
+the failing request, with the device's allocated bytes after every event.
+
+Bounded: events go to a ring (the oldest are dropped past `max_events`), while the set of storages alive
+now is kept apart, exactly, so that what was alive at the failure (and at the peak) is exact however many
+events were dropped. Aggregates per site (a line of code) are kept as events happen, so copying them at
+the peak or the failure costs as many entries as there are lines, not tensors.
+
+A site is where a storage was made: the innermost frame that is not torch, another installed package or
+cuda_magic (`paths.is_library_file`, cached per code object), and the line of the cell that was running.
+The simulated device calls `alloc` / `free` / `oom` inside its own accounting; the CUDA history replay
+(cuda_history.py) calls them with the frames torch recorded.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+
+from cuda_magic.paths import is_library_file
+
+DEFAULT_MAX_EVENTS = 200_000      # about 20 MB of events at most; the alive set is separate and exact
+BEFORE = 0                        # the site of storages that existed before the recording started
+ALLOC, FREE, OOM, RESIZE = "alloc", "free", "oom", "resize"
+
+
+_BACKWARD = {"backward", "_engine_run_backward", "run_backward", "grad"}
+
+
+def grad_mode() -> bool | None:
+    """Whether the failing code is training: autograd records a graph (not under no_grad or
+    inference_mode), or a backward pass is running (which itself runs with grad mode off). None without
+    torch. Called only at a failure: it may walk the stack."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if bool(torch.is_grad_enabled()) and not bool(torch.is_inference_mode_enabled()):
+        return True
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code.co_name in _BACKWARD and "autograd" in code.co_filename.replace("\\", "/").split("/torch/")[-1]:
+            return True
+        f = f.f_back
+    return False
+
+
+class Failure:
+    """The request that did not fit, and the storages alive per site at that moment."""
+
+    __slots__ = ("seconds", "requested", "allocated", "site", "attempt", "by_site", "grad_enabled")
+
+    def __init__(self, seconds, requested, allocated, site, attempt, by_site, grad_enabled=None):
+        self.seconds, self.requested, self.allocated = seconds, requested, allocated
+        self.site, self.attempt, self.by_site = site, attempt, by_site
+        self.grad_enabled = grad_enabled      # False: no autograd graph was being built (inference)
+
+
+class Recorder:
+    """Events of one guarded run (all its attempts). Sizes are int bytes; times are seconds since start."""
+
+    def __init__(self, *, cell_filename: str | None = None, max_events: int = DEFAULT_MAX_EVENTS,
+                 clock=time.perf_counter):
+        self.cell_filename = cell_filename
+        self.events: deque = deque(maxlen=max_events)   # (seconds, kind, bytes, allocated after, site, attempt)
+        self.total_events = 0
+        self.sites: list[tuple] = [(None, None, None, None)]   # site id -> (file, line, function, cell line)
+        self._site_ids: dict[tuple, int] = {}
+        self._library: dict = {}                        # code object -> is it a library's
+        self.alive: dict[int, tuple[int, int]] = {}     # storage key -> (bytes, site)
+        self.by_site: dict[int, list[int]] = {}         # site -> [bytes, storages]
+        self.attempt = 0
+        self.recording = True                           # False between attempts: the alive set still follows
+        self.clock = clock
+        self.t0 = clock()
+        self.allocated = 0
+        self.peak = 0
+        self.peak_seconds = 0.0
+        self.peak_attempt = 0
+        self.peak_by_site: dict[int, tuple[int, int]] = {}
+        self._peak_stale = False
+        self.failures: list[Failure] = []
+        self.notes: list[str] = []
+
+    # -- setting up --------------------------------------------------------------------------------
+    def seed(self, live: dict[int, int], allocated: int | None = None) -> None:
+        """Storages alive before the recording started (key -> bytes): counted under BEFORE."""
+        for key, nbytes in live.items():
+            self.alive[key] = (nbytes, BEFORE)
+        if live:
+            self.by_site[BEFORE] = [sum(live.values()), len(live)]
+        self.allocated = sum(live.values()) if allocated is None else allocated
+        self.peak = self.allocated
+        self.peak_by_site = self._copy_sites()
+        self.events.append((0.0, ALLOC, 0, self.allocated, BEFORE, self.attempt))
+        self.total_events += 1
+
+    def begin_attempt(self, number: int) -> None:
+        self.attempt = number
+        self.recording = True
+        self._append(ALLOC, 0, BEFORE)      # a point where the attempt's trace starts
+
+    def pause(self) -> None:
+        self.recording = False
+
+    # -- sites -------------------------------------------------------------------------------------
+    def site_here(self) -> int:
+        """The site of the code that is running now (called from inside the device's accounting)."""
+        library, cell_file = self._library, self.cell_filename
+        f = sys._getframe(1)
+        inner = None
+        cell_line = None
+        while f is not None:
+            code = f.f_code
+            lib = library.get(code)
+            if lib is None:
+                lib = library[code] = is_library_file(code.co_filename)
+            if not lib:
+                if inner is None:
+                    inner = (code.co_filename, f.f_lineno, code.co_name)
+                if cell_file is None:
+                    break
+                if code.co_filename == cell_file:
+                    cell_line = f.f_lineno
+                    break
+            f = f.f_back
+        if inner is None:
+            return BEFORE if cell_line is None else self.site_id((None, None, None, cell_line))
+        return self.site_id((*inner, cell_line))
+
+    def site_of_frames(self, frames) -> int:
+        """The site of an allocation from the frames torch recorded (dicts of filename, line, name;
+        innermost first)."""
+        inner = None
+        cell_line = None
+        for fr in frames or ():
+            filename = fr.get("filename") or ""
+            if is_library_file(filename) or filename.startswith("??"):
+                continue
+            if inner is None:
+                inner = (filename, int(fr.get("line") or 0), fr.get("name"))
+            if self.cell_filename is None:
+                break
+            if filename == self.cell_filename:
+                cell_line = int(fr.get("line") or 0)
+                break
+        if inner is None:
+            return BEFORE if cell_line is None else self.site_id((None, None, None, cell_line))
+        return self.site_id((*inner, cell_line))
+
+    def site_id(self, site: tuple) -> int:
+        sid = self._site_ids.get(site)
+        if sid is None:
+            sid = self._site_ids[site] = len(self.sites)
+            self.sites.append(site)
+        return sid
+
+    # -- events ------------------------------------------------------------------------------------
+    def _append(self, kind, nbytes, site, seconds=None):
+        if self.recording:
+            self.events.append((self.clock() - self.t0 if seconds is None else seconds, kind, nbytes,
+                                self.allocated, site, self.attempt))
+            self.total_events += 1
+
+    def alloc(self, key: int, nbytes: int, allocated: int, site: int | None = None,
+              seconds: float | None = None) -> None:
+        if site is None:
+            site = self.site_here() if self.recording else BEFORE
+        self.alive[key] = (nbytes, site)
+        agg = self.by_site.get(site)
+        if agg is None:
+            self.by_site[site] = [nbytes, 1]
+        else:
+            agg[0] += nbytes
+            agg[1] += 1
+        self.allocated = allocated
+        self._append(ALLOC, nbytes, site, seconds)
+        if allocated > self.peak:
+            self.peak = allocated
+            self.peak_seconds = self.events[-1][0] if self.recording and self.events else 0.0
+            self.peak_attempt = self.attempt
+            self._peak_stale = True
+
+    def free(self, key: int, allocated: int, seconds: float | None = None) -> None:
+        entry = self.alive.pop(key, None)
+        if entry is None:
+            return
+        if self._peak_stale:
+            self._take_peak()
+        nbytes, site = entry
+        agg = self.by_site[site]
+        agg[0] -= nbytes
+        agg[1] -= 1
+        if agg[1] <= 0:
+            del self.by_site[site]
+        self.allocated = allocated
+        self._append(FREE, nbytes, site, seconds)
+
+    def resize(self, key: int, nbytes: int, allocated: int) -> None:
+        entry = self.alive.get(key)
+        if entry is None:
+            return
+        old, site = entry
+        self.alive[key] = (nbytes, site)
+        self.by_site[site][0] += nbytes - old
+        if nbytes < old and self._peak_stale:
+            self._take_peak()
+        self.allocated = allocated
+        self._append(RESIZE, nbytes - old, site)
+        if allocated > self.peak:
+            self.peak, self.peak_attempt, self._peak_stale = allocated, self.attempt, True
+
+    def oom(self, requested: int, allocated: int, site: int | None = None, seconds: float | None = None,
+            grad_enabled: bool | None = ...) -> None:
+        """The request that did not fit (recorded before the error is raised, in the failing thread, so
+        that the grad mode read here is the failing code's)."""
+        if site is None:
+            site = self.site_here()
+        if grad_enabled is ...:
+            grad_enabled = grad_mode()
+        if self._peak_stale:
+            self._take_peak()
+        self.allocated = allocated
+        self._append(OOM, requested, site, seconds)
+        when = self.events[-1][0] if self.recording and self.events else (self.clock() - self.t0)
+        self.failures.append(Failure(when, requested, allocated, site, self.attempt, self._copy_sites(),
+                                     grad_enabled))
+
+    # -- reading -----------------------------------------------------------------------------------
+    def _copy_sites(self) -> dict[int, tuple[int, int]]:
+        return {s: (b, n) for s, (b, n) in self.by_site.items()}
+
+    def _take_peak(self) -> None:
+        self.peak_by_site = self._copy_sites()
+        self._peak_stale = False
+
+    def at_peak(self) -> dict[int, tuple[int, int]]:
+        """Bytes and storages per site when the recording's allocated bytes were highest."""
+        if self._peak_stale:
+            self._take_peak()
+        return self.peak_by_site
+
+    @property
+    def dropped(self) -> int:
+        return self.total_events - len(self.events)

@@ -1,0 +1,65 @@
+"""The black box around one guarded run, on whichever device the run is metered on: the simulated device
+records inside its own accounting (blackbox.Recorder); CUDA through torch's allocator history
+(cuda_history.CudaHistory); elsewhere nothing is recorded, with a one-line note."""
+from __future__ import annotations
+
+import sys
+
+from cuda_magic.devices.blackbox import DEFAULT_MAX_EVENTS, Recorder
+
+NOTE_NO_DEVICE = ("no black box here: it records on the simulated device (`-l`, `%gpumem --simulate`) "
+                  "and on CUDA")
+
+
+class BlackBox:
+    """`start()`, then `begin_attempt(n)` / `pause()` around each attempt, then `stop()` -> Recorder."""
+
+    def __init__(self, meter, *, cell_filename: str | None = None, max_events: int = DEFAULT_MAX_EVENTS):
+        self.meter = meter
+        self.cell_filename = cell_filename
+        self.max_events = max_events
+        self.recorder: Recorder | None = None
+        self.history = None
+        self.notes: list[str] = []
+
+    def start(self) -> None:
+        key = self.meter.key
+        if key.startswith("sim"):
+            self.recorder = Recorder(cell_filename=self.cell_filename, max_events=self.max_events)
+            self.meter.device.attach_recorder(self.recorder)
+        elif key.startswith("cuda") and "torch" in sys.modules:
+            from cuda_magic.devices.cuda_history import CudaHistory
+
+            self.history = CudaHistory(sys.modules["torch"], self.meter.index, cell_filename=self.cell_filename)
+            if not self.history.start():
+                self.notes.extend(self.history.notes)
+                self.history = None
+        else:
+            self.notes.append(NOTE_NO_DEVICE)
+
+    def begin_attempt(self, number: int) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_attempt(number)
+        elif self.history is not None:
+            self.history.begin_attempt(number)
+
+    def pause(self) -> None:
+        """Between attempts: the alive set keeps following frees, no events are kept."""
+        if self.recorder is not None:
+            self.recorder.pause()
+
+    def failed(self) -> None:
+        """Called inside the `except` block of an OOM, before anything is freed."""
+        if self.history is not None:
+            self.history.take()
+
+    def stop(self) -> Recorder | None:
+        if self.recorder is not None:
+            self.meter.device.detach_recorder()
+            return self.recorder
+        if self.history is not None:
+            recorder = self.history.stop()
+            if recorder is None:
+                self.notes.extend(self.history.notes)
+            return recorder
+        return None

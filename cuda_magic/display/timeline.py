@@ -1,0 +1,150 @@
+"""The black box drawn: the timeline as an inline SVG step chart (display/chart.py: no script, nothing
+fetched) with the table "alive at the failure, by line" in HTML and widget forms, and a sparkline per
+attempt with the same table in text. The guard report's forms include these through the record
+(`reprs.render(report.blackbox, ...)`)."""
+from __future__ import annotations
+
+from html import escape
+
+from cuda_magic.display.chart import PALETTE, Chart, Marker, Series, sparkline, svg
+from cuda_magic.display.html import CODE, MUTED, html_table
+from cuda_magic.display.text import shorten, table
+from cuda_magic.units import format_bytes
+
+MAX_LINES = 8             # rows of the by-line table; the rest are summed in one row
+SPARK_WIDTH = 60
+FAIL_COLOR = "#c62828"
+PEAK_COLOR = "#0b3a80"
+CAP_COLOR = "#555555"
+
+
+def attempt_series(tl) -> dict[int, list[tuple[float, int]]]:
+    traces: dict[int, list[tuple[float, int]]] = {}
+    for seconds, allocated, attempt, _ in tl.points:
+        traces.setdefault(attempt, []).append((seconds, allocated))
+    return traces
+
+
+def trace_label(attempt: int, count: int) -> str:
+    return "allocated" if count == 1 else f"attempt {attempt + 1}"
+
+
+def headline(tl) -> str:
+    """One sentence: the peak, the capacity, and the request that failed."""
+    parts = [f"peak {format_bytes(tl.peak)}"]
+    if tl.capacity is not None:
+        parts.append(f"{'cap' if tl.limited else 'capacity'} {format_bytes(tl.capacity)}")
+    if tl.failure is not None:
+        parts.append(f"failed asking for {format_bytes(tl.failure.requested)} with "
+                     f"{format_bytes(tl.failure.allocated)} allocated")
+    return "; ".join(parts)
+
+
+def line_label(use) -> str:
+    """'cell line 3' / 'model.py:42 (attend)' / 'before the run'."""
+    if use.filename is None and use.cell_line is None:
+        return "before the run"
+    where = use.where
+    if use.function and not use.in_cell and use.function != "<module>":
+        where += f" ({use.function})"
+    if use.cell_line is not None and not use.in_cell and use.filename is not None:
+        where += f", cell line {use.cell_line}"
+    return where
+
+
+def rows_shown(tl):
+    rows = tl.by_line[:MAX_LINES]
+    rest = tl.by_line[MAX_LINES:]
+    return rows, (sum(u.bytes for u in rest), sum(u.tensors for u in rest), len(rest))
+
+
+def by_line_title(tl) -> str:
+    what = "Alive at the failure" if tl.at == "failure" else "Alive at the peak"
+    count = sum(u.tensors for u in tl.by_line)
+    return f"{what}, by line ({format_bytes(tl.total)} in {count} storage{'s' if count != 1 else ''})"
+
+
+def failing_words(tl) -> str | None:
+    f = tl.failure
+    if f is None:
+        return None
+    if f.site is None:
+        return f"The failing request: {format_bytes(f.requested)}"
+    code = f" `{f.site.code if len(f.site.code) <= 70 else f.site.code[:69] + '…'}`" if f.site.code else ""
+    return f"The failing request: {format_bytes(f.requested)} from{code} at {line_label(f.site)}"
+
+
+# ---- the chart (HTML and widget forms) ----------------------------------------------------------
+
+def timeline_chart(tl) -> str:
+    traces = attempt_series(tl)
+    series = [Series(trace_label(a, len(traces)), pts, color=PALETTE[i % len(PALETTE)])
+              for i, (a, pts) in enumerate(sorted(traces.items()))]
+    markers = []
+    if tl.capacity is not None:
+        markers.append(Marker(f"{'cap' if tl.limited else 'capacity'} {format_bytes(tl.capacity)}", tl.capacity,
+                              color=CAP_COLOR))
+    markers.append(Marker(f"peak {format_bytes(tl.peak)}", tl.peak, x=tl.peak_seconds, color=PEAK_COLOR))
+    if tl.failure is not None:
+        f = tl.failure
+        markers.append(Marker(f"failed: +{format_bytes(f.requested)}", f.allocated + f.requested, x=f.seconds,
+                              color=FAIL_COLOR))
+    return svg(Chart(series, markers, x_label="seconds"))
+
+
+# ---- text ----------------------------------------------------------------------------------------
+
+def timeline_text(tl) -> str:
+    lines = [f"Black box: allocated memory over the run ({headline(tl)})"]
+    traces = attempt_series(tl)
+    top = max([tl.capacity or 0, tl.peak] + ([tl.failure.allocated + tl.failure.requested] if tl.failure else []))
+    for attempt, pts in sorted(traces.items()):
+        spark = sparkline([a for _, a in pts], SPARK_WIDTH, top=top)
+        peak = max(a for _, a in pts)
+        lines.append(f"  {spark}  {trace_label(attempt, len(traces))}: peak {format_bytes(peak)}")
+    if tl.by_line:
+        lines.append(by_line_title(tl))
+        rows, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl)
+        body = [[format_bytes(u.bytes), str(u.tensors), line_label(u), shorten(u.code, 60)] for u in rows]
+        if rest_n:
+            body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
+        lines += table(["bytes", "tensors", "where", "code"], body, right={0, 1})
+    words = failing_words(tl)
+    if words:
+        lines.append(words)
+    lines += [f"note: {n}" for n in tl.notes]
+    if tl.dropped:
+        lines.append(f"note: the oldest {tl.dropped} events were dropped from the timeline; the table is exact")
+    return "\n".join(lines)
+
+
+# ---- HTML (also the widget's) --------------------------------------------------------------------
+
+def by_line_html(tl) -> str:
+    rows, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl)
+    body = [[format_bytes(u.bytes), str(u.tensors), escape(line_label(u)),
+             f'<code style="{CODE}">{escape(shorten(u.code, 90))}</code>' if u.code else ""] for u in rows]
+    if rest_n:
+        body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
+    return html_table(["bytes", "tensors", "where", "code"], body, {0, 1}, cls="cuda-magic-by-line", raw={2, 3})
+
+
+def timeline_html(tl) -> str:
+    out = [f'<div style="margin-top:6px"><b>Black box:</b> <span style="{MUTED}">{escape(headline(tl))}</span></div>',
+           f'<div class="cuda-magic-timeline">{timeline_chart(tl)}</div>']
+    if tl.by_line:
+        out.append(f"<div><b>{escape(by_line_title(tl))}</b></div>")
+        out.append(by_line_html(tl))
+    f = tl.failure
+    if f is not None:
+        if f.site is not None:
+            code = f' <code style="{CODE}">{escape(shorten(f.site.code, 90))}</code>' if f.site.code else ""
+            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b> from{code} at "
+                       f"{escape(line_label(f.site))}</div>")
+        else:
+            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b></div>")
+    out += [f'<div style="{MUTED}">note: {escape(n)}</div>' for n in tl.notes]
+    if tl.dropped:
+        out.append(f'<div style="{MUTED}">note: the oldest {tl.dropped} events were dropped from the timeline; '
+                   "the table is exact</div>")
+    return "".join(out)

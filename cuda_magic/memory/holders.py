@@ -1,0 +1,86 @@
+"""Which notebook names hold device memory, and what deleting each would give back.
+
+A model and its optimizer reach the same parameters; a list of logged losses reaches the graphs that
+a list of predictions reaches too. So each name gets two figures: `bytes`, the storages only it reaches
+(what `del name` frees), and `shared`, what it reaches together with other names. Each also gets a kind,
+so that the diagnosis can tell what is expected (a model being trained, its optimizer) from what
+surprises (graphs kept by logged losses, a second copy of a model, stale activations).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cuda_magic.devices.probe import loaded_torch
+from cuda_magic.memory.reach import SKIP_TYPES, device_storages
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A name that keeps device memory alive. Sizes in int bytes."""
+
+    name: str
+    bytes: int                            # what deleting this name alone gives back
+    shared: int = 0                       # what it reaches together with other names
+    kind: str = "tensor"                  # 'model', 'optimizer', 'graph', 'tensors', 'tensor', 'object'
+    what: str = ""                        # 'list of 300 tensors with grad_fn', 'AdamW', ...
+    training: bool = False                # a module an optimizer updates (or with gradients), an optimizer
+    shared_with: tuple[str, ...] = ()
+
+    @property
+    def description(self) -> str:
+        return f"{self.name} ({self.what})" if self.what else self.name
+
+
+def _kind_and_what(value, torch) -> tuple[str, str]:
+    if isinstance(value, torch.nn.Module):
+        return "model", type(value).__name__
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer", type(value).__name__
+    if issubclass(type(value), torch.Tensor):
+        return ("graph", "tensor with grad_fn") if value.grad_fn is not None else ("tensor", "")
+    if isinstance(value, (list, tuple, dict, set)) or type(value).__name__ == "deque":
+        items = list(value.values()) if isinstance(value, dict) else list(value)
+        tensors = [v for v in items if issubclass(type(v), torch.Tensor)]
+        if not tensors:
+            return "tensors", ""
+        graphs = sum(1 for t in tensors if t.grad_fn is not None)
+        container = "dict" if isinstance(value, dict) else type(value).__name__
+        with_graph = " with grad_fn" if graphs else ""
+        scalar = " scalar" if all(t.dim() == 0 for t in tensors) else ""
+        return ("graph" if graphs else "tensors"), f"{container} of {len(tensors)}{scalar} tensors{with_graph}"
+    return "object", type(value).__name__
+
+
+def name_holders(variables: dict, storages_of=device_storages) -> list[Holder]:
+    """Holders among `variables` (name -> value), the largest `bytes` first. `storages_of(value)`:
+    {storage id: bytes} of the device memory a value reaches."""
+    torch = loaded_torch()
+    if torch is None:
+        return []
+    reached: dict[str, dict[int, int]] = {}
+    for name, value in variables.items():
+        if isinstance(value, SKIP_TYPES):
+            continue
+        storages = storages_of(value)
+        if storages:
+            reached[name] = storages
+    owners: dict[int, list[str]] = {}
+    for name, storages in reached.items():
+        for key in storages:
+            owners.setdefault(key, []).append(name)
+    trained = set()
+    for value in variables.values():
+        if isinstance(value, torch.optim.Optimizer):
+            trained.update(id(p) for group in value.param_groups for p in group["params"])
+    held = []
+    for name, storages in reached.items():
+        value = variables[name]
+        own = sum(b for k, b in storages.items() if len(owners[k]) == 1)
+        shared = sum(b for k, b in storages.items() if len(owners[k]) > 1)
+        others = sorted({o for k in storages for o in owners[k] if o != name})
+        kind, what = _kind_and_what(value, torch)
+        training = kind == "optimizer" or (kind == "model" and any(
+            id(p) in trained or p.grad is not None for p in value.parameters()))
+        held.append(Holder(name, own, shared, kind, what, training, tuple(others)))
+    held.sort(key=lambda h: (-h.bytes, -h.shared, h.name))
+    return held

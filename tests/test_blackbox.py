@@ -1,0 +1,353 @@
+"""The black box: recording on the simulated device, the by-line analysis, the CUDA history replay, and
+the timeline drawn (text sparkline, inline SVG with no script)."""
+from __future__ import annotations
+
+import linecache
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from cuda_magic.devices.blackbox import Recorder
+from cuda_magic.memory.timeline import timeline_from
+
+MiB = 1 << 20
+
+MODEL_PY = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        return scores.softmax(-1) @ v
+'''
+
+
+@pytest.fixture
+def model_module(tmp_path, monkeypatch):
+    (tmp_path / "bb_model.py").write_text(MODEL_PY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("bb_model", None)
+    import bb_model
+
+    yield bb_model
+    sys.modules.pop("bb_model", None)
+
+
+def run_cell_source(source: str, filename: str, ns: dict):
+    """Run `source` as a notebook cell would be: compiled under its own file name, lines in linecache."""
+    source = textwrap.dedent(source).lstrip("\n")
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), ns)
+    return source.splitlines()
+
+
+def recorded(dev, source, ns, *, cell="<cell-bb-1>", max_events=200_000):
+    rec = Recorder(cell_filename=cell, max_events=max_events)
+    dev.attach_recorder(rec)
+    try:
+        lines = run_cell_source(source, cell, ns)
+    except Exception as exc:      # noqa: BLE001 - the test looks at what the recorder saw
+        failed = exc
+        lines = textwrap.dedent(source).lstrip("\n").splitlines()
+    else:
+        failed = None
+    finally:
+        dev.detach_recorder()
+    return rec, lines, failed
+
+
+def test_by_line_bytes_sum_to_what_the_device_had_at_the_failure(torch_warm, model_module):
+    """A training step with BatchNorm and AdamW, several steps, then an attention that does not fit."""
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(40 * MiB)
+    with dev:
+        ns = {"torch": torch, "nn": torch.nn, "bb_model": model_module}
+        exec(textwrap.dedent("""
+            net = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 64))
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+            attn = bb_model.Attention(64)
+        """), ns)
+        cell = """
+            for step in range(3):
+                x = torch.randn(256, 64)
+                loss = net(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            tokens = torch.randn(16, 512, 64)
+            out = attn(tokens)
+        """
+        rec, lines, failed = recorded(dev, cell, ns)
+        allocated_at_failure = rec.failures[-1].allocated
+    assert isinstance(failed, torch.OutOfMemoryError)
+    tl = timeline_from(rec, device=dev.key, capacity=dev.capacity, lines=lines)
+    assert tl.at == "failure"
+    assert tl.total == allocated_at_failure == sum(u.bytes for u in tl.by_line)
+    # the failing request: the attention scores, 16 x 512 x 512 float32, from the module file's line
+    assert tl.failure.requested == 16 * 512 * 512 * 4
+    site = tl.failure.site
+    assert site.filename.endswith("bb_model.py") and site.function == "forward"
+    assert site.code == "scores = q @ k.transpose(-1, -2)" and site.cell_line == 8
+    assert site.where == "bb_model.py:13"
+    # the cell's own line holds the input tokens; the model's parameters and AdamW state are from before
+    rows = {u.where: u for u in tl.by_line}
+    assert rows["cell line 7"].bytes == 16 * 512 * 64 * 4 and rows["cell line 7"].code.startswith("tokens =")
+    assert any(u.filename is None and u.code == "(allocated before the run)" for u in tl.by_line)
+    assert rows["bb_model.py:12"].function == "forward"       # the q, k, v projection inside the module
+
+
+def test_a_run_that_fits_is_shown_at_its_peak(torch_warm):
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(64 * MiB)
+    with dev:
+        rec, lines, failed = recorded(dev, """
+            a = torch.ones(1024, 1024)
+            b = torch.ones(2048, 1024)
+            del b
+            c = torch.ones(512, 1024)
+        """, {"torch": torch})
+        peak = dev.peak
+    assert failed is None
+    tl = timeline_from(rec, capacity=dev.capacity, lines=lines, failed=False)
+    assert tl.at == "peak" and tl.peak == peak == 12 * MiB
+    assert {u.where: u.bytes for u in tl.by_line} == {"cell line 1": 4 * MiB, "cell line 2": 8 * MiB}
+
+
+def test_the_ring_drops_old_events_and_the_alive_set_stays_exact(torch_warm):
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(64 * MiB)
+    with dev:
+        rec, lines, failed = recorded(dev, """
+            keep = [torch.ones(1024) for _ in range(100)]
+            for _ in range(500):
+                tmp = torch.ones(256)
+            big = torch.empty(64 * 1024 * 1024)
+        """, {"torch": torch}, max_events=50)
+        allocated = rec.failures[-1].allocated
+    assert isinstance(failed, torch.OutOfMemoryError)
+    assert len(rec.events) == 50 and rec.dropped > 1000
+    tl = timeline_from(rec, capacity=dev.capacity, lines=lines)
+    assert tl.total == allocated
+    rows = {u.where: (u.bytes, u.tensors) for u in tl.by_line}
+    assert rows["cell line 1"] == (100 * 4096, 100)
+    assert rows["cell line 3"] == (1024, 1)
+    assert "dropped" in repr(tl)
+
+
+def test_attempts_are_separate_traces(torch_warm):
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(16 * MiB)
+    rec = Recorder(cell_filename="<cell-bb-2>")
+    dev.attach_recorder(rec)
+    with dev:
+        for attempt, n in enumerate((8, 2)):
+            rec.begin_attempt(attempt)
+            try:
+                x = torch.ones(n, 1024, 1024)
+                y = x * 2
+                del x, y
+            except torch.OutOfMemoryError:
+                pass
+            rec.pause()
+    dev.detach_recorder()
+    tl = timeline_from(rec, capacity=dev.capacity, failed=False)
+    assert tl.attempts == [0, 1]
+    assert rec.failures[-1].attempt == 0
+    from cuda_magic.display.timeline import attempt_series, timeline_chart
+
+    assert set(attempt_series(tl)) == {0, 1}
+    root = ET.fromstring(timeline_chart(tl))
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 2
+    assert "attempt 1" in repr(tl) and "attempt 2" in repr(tl)
+
+
+def test_the_drawn_timeline_has_no_script_and_loads_nothing(torch_warm):
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(8 * MiB)
+    with dev:
+        rec, lines, failed = recorded(dev, """
+            a = torch.ones(1024, 1024)
+            scores = a @ a.T @ a
+        """, {"torch": torch})
+    tl = timeline_from(rec, capacity=dev.capacity, lines=lines)
+    html = tl._repr_html_()
+    lowered = html.lower()
+    assert "<svg" in lowered and "<script" not in lowered and "<iframe" not in lowered
+    assert "src=" not in lowered and "href" not in lowered and "@import" not in lowered and "url(" not in lowered
+    assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "Alive at the failure, by line" in html and "cell line 1" in html
+    text = repr(tl)
+    assert "Black box" in text and "4.00 MiB" in text and "The failing request: 4.00 MiB from `scores = a @ a.T @ a`" in text
+    frame = tl.timeline_frame()
+    assert list(frame.columns) == ["event", "seconds", "allocated", "attempt"] and "oom" in set(frame.event)
+    lines_frame = tl.by_line_frame()
+    assert list(lines_frame.columns) == ["file", "line", "code", "bytes", "tensors"]
+    assert lines_frame.bytes.sum() == tl.total
+
+
+# ---- CUDA: the allocator history replayed from a snapshot in torch's documented format ---------------
+
+def frames(*where):
+    """Frames innermost first, as torch records them (library frames included)."""
+    return [{"filename": f, "line": n, "name": name} for f, n, name in where]
+
+
+TORCH_FILE = "/usr/lib/python3/site-packages/torch/nn/modules/module.py"
+
+
+def cuda_snapshot(cell: str, t0: float):
+    us = t0 * 1e6
+    entries = [
+        {"action": "segment_alloc", "addr": 0, "size": 64 * MiB, "stream": 0, "time_us": us + 1, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 8 * MiB, "stream": 0, "time_us": us + 10,
+         "frames": frames((TORCH_FILE, 1500, "_call_impl"), (cell, 2, "<module>"))},
+        {"action": "alloc", "addr": 8 * MiB, "size": 16 * MiB, "stream": 0, "time_us": us + 20,
+         "frames": frames((TORCH_FILE, 1500, "_call_impl"), ("/home/u/model.py", 42, "forward"),
+                          (TORCH_FILE, 1500, "_call_impl"), (cell, 3, "<module>"))},
+        {"action": "alloc", "addr": 24 * MiB, "size": 2 * MiB, "stream": 0, "time_us": us + 25,
+         "frames": frames((cell, 3, "<module>"))},
+        {"action": "free_requested", "addr": 24 * MiB, "size": 2 * MiB, "stream": 0, "time_us": us + 26, "frames": []},
+        {"action": "free_completed", "addr": 24 * MiB, "size": 2 * MiB, "stream": 0, "time_us": us + 26, "frames": []},
+        {"action": "free_completed", "addr": 900 * MiB, "size": 1 * MiB, "stream": 0, "time_us": us + 27,
+         "frames": []},                                  # a block made before the run
+        {"action": "oom", "size": 48 * MiB, "stream": 0, "device_free": 3 * MiB, "time_us": us + 30,
+         "frames": frames((TORCH_FILE, 1500, "_call_impl"), ("/home/u/model.py", 43, "forward"), (cell, 3, "<module>"))},
+        {"action": "free_completed", "addr": 8 * MiB, "size": 16 * MiB, "stream": 0, "time_us": us + 40, "frames": []},
+    ]
+    return {"segments": [], "device_traces": [entries]}
+
+
+def test_cuda_replay_from_a_snapshot(monkeypatch):
+    import time
+
+    from cuda_magic.devices.cuda_history import replay
+
+    monkeypatch.setitem(linecache.cache, "/home/u/model.py",
+                        (0, None, ["\n"] * 41 + ["attn = q @ k.transpose(-1, -2)\n", "attn = attn.softmax(-1)\n"],
+                         "/home/u/model.py"))
+    cell = "<cell-bb-cuda>"
+    start = time.time()
+    rec = replay(cuda_snapshot(cell, start), 0, cell_filename=cell, start_allocated=4 * MiB, start_us=start * 1e6)
+    tl = timeline_from(rec, device="cuda:0", capacity=80 * MiB, lines=["", "x = batch.cuda()", "y = model(x)"])
+    # at the failure: 3 MiB from before the run (4 MiB less a freed 1 MiB block), 8 MiB cell line 2, 16 MiB model.py:42
+    assert tl.total == rec.failures[-1].allocated == 27 * MiB
+    rows = {u.where: u for u in tl.by_line}
+    assert rows["model.py:42"].bytes == 16 * MiB and rows["model.py:42"].code == "attn = q @ k.transpose(-1, -2)"
+    assert rows["model.py:42"].cell_line == 3
+    assert rows["cell line 2"].bytes == 8 * MiB and rows["cell line 2"].code == "x = batch.cuda()"
+    assert tl.failure.requested == 48 * MiB and tl.failure.site.where == "model.py:43"
+    assert tl.top.where == "model.py:42"
+
+
+class FakeCudaMemory:
+    """torch.cuda.memory's history functions, as torch documents them (no GPU here)."""
+
+    def __init__(self, cell, user_recording=False):
+        self.calls = []
+        self.cell = cell
+        self.enabled = user_recording
+
+    def _record_memory_history(self, enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                               device=None, clear_history=False):
+        self.calls.append(dict(enabled=enabled, context=context, stacks=stacks, max_entries=max_entries))
+        self.enabled = enabled is not None
+
+    def _snapshot(self, device=None):
+        import time
+
+        return cuda_snapshot(self.cell, time.time() - 1e-3)
+
+
+class FakeTorch:
+    def __init__(self, memory):
+        import types
+
+        self.observers = []
+        self.initialized = True
+        self.cuda = types.SimpleNamespace(memory=memory, memory_allocated=lambda index=None: 4 * MiB,
+                                          is_initialized=lambda: self.initialized)
+        self._C = types.SimpleNamespace(_cuda_isHistoryEnabled=lambda: memory.enabled,
+                                        _cuda_attach_out_of_memory_observer=self.observers.append,
+                                        _cuda_record_memory_history=None)
+
+
+@pytest.fixture
+def fresh_observer(monkeypatch):
+    from cuda_magic.devices import cuda_history
+
+    monkeypatch.setattr(cuda_history, "_observer_attached", False)
+    monkeypatch.setattr(cuda_history, "_active", None)
+    return cuda_history
+
+
+def test_cuda_history_records_python_stacks_and_switches_itself_off(fresh_observer):
+    cell = "<cell-bb-cuda2>"
+    memory = FakeCudaMemory(cell)
+    torch = FakeTorch(memory)
+    history = fresh_observer.CudaHistory(torch, 0, cell_filename=cell, max_entries=5000)
+    history.start_us_override = None
+    assert history.start()
+    assert memory.calls == [dict(enabled="all", context="alloc", stacks="python", max_entries=5000)]
+    assert len(torch.observers) == 1
+    history.start_us -= 1e4                       # the fake snapshot's entries are from 1 ms before now
+    torch.observers[0](0, 48 * MiB, 0, 3 * MiB)   # the allocator calls its observers before it raises
+    assert history.snapshot is not None
+    rec = history.stop()
+    assert memory.calls[-1]["enabled"] is None and not memory.enabled
+    assert rec is not None and rec.failures[-1].requested == 48 * MiB
+    # a second history attaches no second observer (observers cannot be detached)
+    again = fresh_observer.CudaHistory(torch, 0, cell_filename=cell)
+    again.start()
+    again.stop()
+    assert len(torch.observers) == 1
+    torch.observers[0](0, 1, 0, 0)                 # no history active: the observer does nothing
+
+
+def test_cuda_history_never_starts_cuda(fresh_observer):
+    memory = FakeCudaMemory("<cell>")
+    torch = FakeTorch(memory)
+    torch.initialized = False
+    history = fresh_observer.CudaHistory(torch, 0)
+    assert not history.start()
+    assert memory.calls == [] and history.notes == [fresh_observer.NOTE_NOT_STARTED]
+
+
+def test_cuda_history_keeps_the_users_own_recording(fresh_observer):
+    memory = FakeCudaMemory("<cell>", user_recording=True)
+    history = fresh_observer.CudaHistory(FakeTorch(memory), 0)
+    assert history.start()
+    history.stop()
+    assert memory.calls == [] and memory.enabled
+
+
+def test_cuda_history_on_a_torch_without_it_is_a_note(fresh_observer):
+    import types
+
+    old = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=types.SimpleNamespace()), _C=types.SimpleNamespace())
+    history = fresh_observer.CudaHistory(old, 0)
+    assert not history.start()
+    assert history.notes == [fresh_observer.NOTE_UNAVAILABLE] and history.stop() is None
+    # the boolean-only form of torch 2.0 is not enough either
+    legacy = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=types.SimpleNamespace(
+        _record_memory_history=lambda enabled, record_context=True, trace_alloc_max_entries=1: None,
+        _snapshot=lambda: {})), _C=types.SimpleNamespace())
+    assert fresh_observer.history_support(legacy) == fresh_observer.NOTE_UNAVAILABLE
