@@ -15,6 +15,20 @@ def current_shell():
     return get_ipython()
 
 
+def cell_label(filename: str | None) -> str | None:
+    """'In[3]' for a file IPython compiled a cell under (its CachingCompiler.format_code_name, IPython 8
+    and later), else None."""
+    shell = current_shell()
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if name_of is None or not filename:
+        return None
+    try:
+        named = name_of(filename)
+    except Exception:  # noqa: BLE001 - a label is a nicety; the file name is shown instead
+        return None
+    return named[1] if named else None
+
+
 def shell_or_current(shell):
     """`shell` itself, or the running one where None was given."""
     return shell if shell is not None else current_shell()

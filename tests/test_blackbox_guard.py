@@ -62,7 +62,7 @@ def test_by_line_at_the_failure_names_the_attention_line_and_sums_exactly(mip, c
     assert site.code == "scores = q @ k.transpose(-1, -2)" and site.function == "forward"
     assert site.cell_line == 3 and bb.failure.requested == 48 * 256 * 256 * 4
     qkv = next(u for u in bb.by_line if u.code.startswith("q, k, v = self.qkv"))
-    assert qkv.function == "forward" and qkv.bytes > 0 and re.fullmatch(r"In \[\d+\] line \d+", qkv.where)
+    assert qkv.function == "forward" and qkv.bytes > 0 and re.fullmatch(r"In\[\d+\] line \d+", qkv.where)
     frame = report.timeline
     assert list(frame.columns) == ["event", "seconds", "allocated", "attempt"] and (frame.event == "oom").any()
     # shown before the diagnosis, which cites the line that held the most

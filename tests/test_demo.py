@@ -70,6 +70,19 @@ def test_demo_explains_the_oom_and_reclaims_memory(executed):
     assert reclaimed and float(reclaimed.group(1)) > 0
 
 
+def test_demo_black_box_names_the_attention_line(executed):
+    nb, _ = executed
+    outputs = _outputs(nb, "%%oomguard --no-raise -l 64MiB\nx = torch.randn(2, tokens")
+    text = _text(outputs)
+    assert "Alive at the failure, by line" in text
+    assert re.search(r"MiB +\d+ +In\[\d+\] line 10 \(forward\), cell line 2 +scores = q @ k.transpose\(-1, -2\)\n", text)
+    assert "The failing request: 25.00 MiB from `scores = q @ k.transpose(-1, -2)` at In[" in text
+    flat = " ".join(text.split())              # the diagnosis is wrapped at 100 columns
+    assert "was alive from `scores = q @ k.transpose(-1, -2)` at In[" in flat   # the diagnosis cites it
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "<svg" in html and "<script" not in html.lower()
+
+
 def test_demo_retry_finds_a_batch_and_keeps_the_effective_batch(executed):
     nb, _ = executed
     text = _text(_outputs(nb, 'print(f"batch_size='))

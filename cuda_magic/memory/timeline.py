@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from cuda_magic.devices.blackbox import BEFORE, Recorder
+from cuda_magic.ipython import cell_label
 from cuda_magic.reprs import Rendered
 
 BEFORE_TEXT = "(allocated before the run)"
@@ -27,6 +28,7 @@ class LineUse:
     tensors: int                          # storages (views share one)
     cell_line: int | None = None          # the line of the cell that was running, where known
     in_cell: bool = False                 # the line is the cell's own
+    label: str | None = None              # 'In[3]' where the file is an earlier cell of this notebook
 
     @property
     def where(self) -> str:
@@ -35,9 +37,11 @@ class LineUse:
             return f"cell line {self.line}"
         if self.filename is None:
             return f"cell line {self.cell_line}" if self.cell_line is not None else ""
+        if self.label:
+            return f"{self.label} line {self.line}"
         cell = re.match(r"<ipython-input-(\d+)-", self.filename)
         if cell:
-            return f"In [{cell.group(1)}] line {self.line}"
+            return f"In[{cell.group(1)}] line {self.line}"
         return f"{os.path.basename(self.filename)}:{self.line}"
 
 
@@ -109,15 +113,22 @@ def _line_use(recorder: Recorder, site: int, nbytes: int, count: int, lines: lis
         return LineUse(None, None, None, _source(recorder.cell_filename, cell_line, lines), nbytes, count,
                        cell_line=cell_line)
     code = _source(filename, line, lines if in_cell else None)
-    return LineUse(filename, line, function, code, nbytes, count, cell_line=cell_line, in_cell=in_cell)
+    return LineUse(filename, line, function, code, nbytes, count, cell_line=cell_line, in_cell=in_cell,
+                   label=None if in_cell else cell_label(filename))
+
+
+_COMMENT = re.compile(r"\s{2,}#[^'\"]*$")     # an inline comment after two spaces (PEP 8), no quote in it
 
 
 def _source(filename: str | None, line: int | None, lines: list[str] | None) -> str:
+    """The line's source, stripped, without its inline comment."""
     if line is None:
         return ""
     if lines is not None and 0 < line <= len(lines):
-        return lines[line - 1].strip()
-    return linecache.getline(filename, line).strip() if filename else ""
+        text = lines[line - 1]
+    else:
+        text = linecache.getline(filename, line) if filename else ""
+    return _COMMENT.sub("", text.strip())
 
 
 def _merge(uses: list[LineUse]) -> list[LineUse]:

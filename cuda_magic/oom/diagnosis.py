@@ -111,7 +111,7 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
             found["too_large"] = max(0, (working or 0) - kept) + request
 
     causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c)))
-    leak = "names_holding" in found and any(h.kind == "graph" for h in held)
+    leak = "names_holding" in found and any(_leaking(h, shortfall, capacity) for h in held)
     if leak:                      # the classic leak (graphs kept by logged losses) comes first
         causes.remove("names_holding")
         causes.insert(0, "names_holding")
@@ -128,6 +128,13 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
                    batch=batch_var or "BATCH", accum=accum_var or "ACCUM", api=api)
     return Diagnosis(causes=causes, summary=_summary(causes, context), advice=_advice(causes, context),
                      holders=held)
+
+
+def _leaking(h: Holder, shortfall: int | None, capacity: int | None) -> bool:
+    """A name that keeps an autograd graph, large enough to matter (the classic leak)."""
+    if not (h.kind == "graph" or _with_graph(h.description)):
+        return False
+    return bool((shortfall and h.bytes >= shortfall) or (capacity and h.bytes > _HOLDER_SHARE * capacity))
 
 
 def _as_holder(h) -> Holder:
@@ -192,7 +199,7 @@ def _summary(causes: list[str], ctx: dict) -> str:
             first += f" on a device of {format_bytes(cap)}"
     phrases = [_phrase(c, ctx) for c in causes]
     top = ctx["top_line"]
-    if top is not None and causes[0] in ("too_large", "request_exceeds_capacity", "unknown", "free_reported"):
+    if top is not None:              # the black box: the line that held the most at the failure
         nbytes, code, where = top
         phrases[0] += f" ({format_bytes(nbytes)} was alive from `{code}` at {where})"
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
@@ -410,7 +417,9 @@ def _holders_where(ctx, test):
 
 
 def _detach(ctx):
-    graphs = [h for h in ctx["held"] if (h.kind == "graph" or _with_graph(h.description)) and _variable(h.name)]
+    need = ctx["fields"].requested if ctx["fields"].free is None or ctx["fields"].requested is None else max(
+        0, ctx["fields"].requested - ctx["fields"].free)
+    graphs = [h for h in ctx["held"] if _leaking(h, need, ctx["capacity"]) and _variable(h.name)]
     if not graphs:
         return None
     # logged losses (scalars) are the classic case: name them before collected outputs
