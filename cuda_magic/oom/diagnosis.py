@@ -131,10 +131,12 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
 
 
 def _leaking(h: Holder, shortfall: int | None, capacity: int | None) -> bool:
-    """A name that keeps an autograd graph, large enough to matter (the classic leak)."""
+    """A name that keeps an autograd graph, large enough to matter (the classic leak). What it shares
+    counts: logged losses and collected outputs keep the same graphs, and either list alone keeps them."""
     if not (h.kind == "graph" or _with_graph(h.description)):
         return False
-    return bool((shortfall and h.bytes >= shortfall) or (capacity and h.bytes > _HOLDER_SHARE * capacity))
+    reached = h.bytes + h.shared
+    return bool((shortfall and reached >= shortfall) or (capacity and reached > _HOLDER_SHARE * capacity))
 
 
 def _as_holder(h) -> Holder:

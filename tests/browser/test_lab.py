@@ -132,6 +132,17 @@ def test_demo_renders_widgets():
             widget = page.locator(".jp-OutputArea-output:has(.cuda-magic-diagnosis)")
         save_element_screenshot(widget.first, shots["widget"])
 
+        # The black box of the attention cell: its inline SVG timeline and the by-line table, scrolled
+        # into view; the README shows it.
+        box_shots = _screenshot_paths("blackbox-oom")
+        assert page.locator(".cuda-magic-timeline svg polyline").count() >= 1
+        assert page.locator("script").filter(has_text="cuda-magic").count() == 0
+        blackbox = page.locator('.cuda-magic-widget:has(.cuda-magic-timeline):has-text("scores = q @ k")')
+        assert blackbox.count() >= 1
+        assert "Alive at the failure, by line" in blackbox.first.inner_text()
+        save_element_screenshot(blackbox.first.locator(".cuda-magic-blackbox").first, box_shots["widget"])
+        shots["blackbox"] = box_shots["widget"]
+
     for path in shots.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 1_000
