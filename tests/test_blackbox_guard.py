@@ -42,6 +42,8 @@ for _ in range(2):
 @pytest.fixture
 def mip(no_gpu, tip, monkeypatch):
     monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "text")
+    # a session device: only what the notebook makes from here on counts (not tensors other tests left)
+    run_ok(tip, "%gpumem --simulate 1GiB -q")
     run_ok(tip, MODEL)
     return tip
 
