@@ -218,3 +218,24 @@ def test_random_sequences_match_the_live_storages(ledger, ops):
         pool.clear()
         assert dev.allocated == 0
         assert peak >= dev.allocated
+
+
+def test_output_sizes_are_predicted_once_per_shape(torch_warm):
+    """The meta pass runs once per op and argument shapes; a repeated op reuses the size it predicted,
+    and a new shape or a new scalar argument is predicted afresh (and still fails before allocating)."""
+    torch = torch_warm
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    dev = SimulatedDevice(6 << 20)
+    with dev:
+        a = torch.ones(256, 256)
+        for _ in range(3):
+            b = a @ a
+        cached = len(dev._mode.predicted)
+        b = a @ a
+        assert len(dev._mode.predicted) == cached
+        big = torch.ones(1024, 512)
+        with pytest.raises(torch.OutOfMemoryError):
+            big @ big.T                           # 2.5 MiB held, 4 MiB more asked, 6 MiB in all
+        assert len(dev._mode.predicted) > cached
+        assert dev.allocated == (256 * 256 + 256 * 256 + 1024 * 512) * 4

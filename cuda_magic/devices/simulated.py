@@ -16,6 +16,9 @@ from cuda_magic.devices.records import DeviceMemory
 _active: list[SimulatedDevice] = []   # devices counting now, the latest started last (mirrors the modes entered)
 _host_only: set[int] = set()               # storages kept in host memory on purpose: never counted
 _mode_class = None
+_tensor_type = None
+_MISSING = object()
+PREDICTED_MAX = 20_000        # cached output sizes per device (a few MB); cleared when full
 
 
 def torch_size_text(n: int) -> str:
@@ -38,36 +41,74 @@ def _get_mode_class():
     from torch.utils._pytree import tree_flatten, tree_map
 
     meta = torch.device("meta")
+    tensor_type = torch.Tensor
     lift_fresh = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+    schemas: dict = {}      # op -> (fresh per return, any fresh, has a device argument, lifted)
 
     def to_meta(x):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, tensor_type):
             return x.to(meta) if x.device.type != "meta" else x
         if isinstance(x, torch.device):
             return meta
+        return x
+
+    def shape_key(x):
+        """What an op's meta kernel sees of an argument: a tensor's metadata, never its values."""
+        if isinstance(x, tensor_type):
+            return (x.shape, x.dtype, x.stride(), x.storage_offset(), x.device.type, x.layout)
+        if isinstance(x, (list, tuple)):
+            return (type(x), *map(shape_key, x))
+        if isinstance(x, dict):
+            return (dict, *((k, shape_key(v)) for k, v in x.items()))
+        hash(x)             # an unhashable argument: not cached (TypeError)
         return x
 
     class SimulatedMemoryMode(TorchDispatchMode):
         def __init__(self, device: SimulatedDevice):
             super().__init__()
             self.device = device
+            # Bytes an op's fresh outputs take, by op and argument metadata: a training step repeats the
+            # same ops on the same shapes, so the meta pass runs once per shape, not once per call.
+            self.predicted: dict = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            schema = func._schema
-            fresh = [r.alias_info is None for r in schema.returns]
-            if any(fresh):
-                needed = self._predict(func, schema, fresh, args, kwargs)
-                if needed is not None:
+            info = schemas.get(func)
+            if info is None:
+                schema = func._schema
+                fresh = tuple(r.alias_info is None for r in schema.returns)
+                info = schemas[func] = (fresh, any(fresh), any(a.name == "device" for a in schema.arguments),
+                                        func in lift_fresh)
+            fresh, any_fresh, has_device, lifted = info
+            if any_fresh:
+                needed = self._predict(func, fresh, has_device, args, kwargs)
+                if needed:
                     self.device._check(needed)
             out = func(*args, **kwargs)
-            self.device._track_outputs(out, fresh, func in lift_fresh)
+            self.device._track_outputs(out, fresh, lifted)
             return out
 
-        def _predict(self, func, schema, fresh, args, kwargs):
+        def _predict(self, func, fresh, has_device, args, kwargs):
+            try:
+                key = (func, shape_key(args), shape_key(kwargs))
+                hash(key)
+            except (TypeError, RuntimeError, NotImplementedError):   # unhashable, or no strides (sparse)
+                key = None
+            if key is not None:
+                hit = self.predicted.get(key, _MISSING)
+                if hit is not _MISSING:
+                    return hit
+            needed = self._meta_bytes(func, fresh, has_device, args, kwargs)
+            if key is not None:
+                if len(self.predicted) >= PREDICTED_MAX:
+                    self.predicted.clear()
+                self.predicted[key] = needed
+            return needed
+
+        def _meta_bytes(self, func, fresh, has_device, args, kwargs):
             meta_args = tree_map(to_meta, args)
             meta_kwargs = tree_map(to_meta, kwargs)
-            if any(a.name == "device" for a in schema.arguments):
+            if has_device:
                 meta_kwargs["device"] = meta
             try:
                 meta_out = func(*meta_args, **meta_kwargs)
@@ -79,10 +120,12 @@ def _get_mode_class():
                 if not is_fresh:
                     continue
                 for leaf in tree_flatten(value)[0]:
-                    if isinstance(leaf, torch.Tensor):
+                    if isinstance(leaf, tensor_type):
                         needed += leaf.untyped_storage().nbytes()
             return needed
 
+    global _tensor_type
+    _tensor_type = tensor_type
     _mode_class = SimulatedMemoryMode
     return _mode_class
 
@@ -191,13 +234,12 @@ class SimulatedDevice:
         return oom_error_class()(msg)
 
     def _track_outputs(self, out, fresh, lifted: bool) -> None:
-        import torch
-
+        tensor_type = _tensor_type
         outs = out if isinstance(out, (tuple, list)) else (out,)
         grown = 0
         for is_fresh, value in zip(fresh, outs):
             for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
-                if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+                if not isinstance(leaf, tensor_type) or leaf.device.type == "meta":
                     continue
                 storage = leaf.untyped_storage()
                 key = storage._cdata
