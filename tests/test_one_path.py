@@ -55,11 +55,11 @@ def test_decorator_diagnosis_names_the_holders_in_a_script():
                 return torch.ones(8, 2**20)
 
             step()
-        print("HOLDERS", step.last_report.diagnosis.holders)
+        print("HOLDERS", [(h.name, h.bytes) for h in step.last_report.diagnosis.holders])
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "HOLDERS [('kept" in out.stdout, out.stdout
+    assert "HOLDERS [('kept', 41943040)" in out.stdout, out.stdout
 
 
 def test_search_probes_are_marked_with_their_durations(tip):
