@@ -8,10 +8,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from cuda_magic.magics.args import parse_args, parse_count, parse_size_arg
-from cuda_magic.units import is_positive_int
-
-
-_UNIT_WORDS = {"B", "KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB"}
+from cuda_magic.units import is_positive_int, is_unit
 
 
 @magics_class
@@ -96,7 +93,7 @@ class GuardMagics(Magics):
     def _parse(self, line: str):
         args = parse_args(self.oomguard, line)
         if args.switch is not None:
-            hint = " (write a size without a space: -l 5GiB)" if args.switch.upper() in _UNIT_WORDS else ""
+            hint = " (write a size without a space: -l 5GiB)" if is_unit(args.switch) else ""
             raise UsageError(f"%%oomguard takes options only, not {args.switch!r}{hint}; `%oomguard on|off` "
                              "is the line magic")
         return args
