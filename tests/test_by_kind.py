@@ -112,3 +112,20 @@ def test_the_oom_report_has_the_split_at_the_failure(tip, capsys):
     assert kinds["activations"] == 4 * (32 * 64 + 32 * 128 + 32 * 10 + 1) + 3 * 4 * (32 * 128 + 32 * 10 + 1)
     # nothing the failed run made was freed (`huge` was never allocated): allocated at the failure = after
     assert sum(kinds.values()) == report.after[0].torch_allocated
+
+
+def test_the_cpu_split_is_not_repeated_when_the_simulated_device_holds_the_same(tip, capsys):
+    from cuda_magic.display.html import snapshot_html
+
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, BUILD)
+    snap = tip.run_line_magic("gpumem", "-o -q")
+    assert kinds_of(snap, "sim:0") == kinds_of(snap, "cpu")      # the data keeps both
+    capsys.readouterr()
+    tip.run_line_magic("gpumem", "")
+    out = capsys.readouterr().out
+    assert out.count("By kind on") == 1 and "By kind on sim:0" in out
+    assert snapshot_html(snap).count('class="cuda-magic-kinds-bar"') == 1
+    # a CPU tensor made before the session is the CPU's alone: the two splits differ, both are shown
+    snap.kind_bytes["cpu"] = dict(snap.kind_bytes["cpu"], other=snap.kind_bytes["cpu"]["other"] + 4096)
+    assert snapshot_html(snap).count('class="cuda-magic-kinds-bar"') == 2

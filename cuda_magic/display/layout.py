@@ -219,10 +219,12 @@ def kind_segments(kinds: dict[str, int]) -> list[tuple[str, int]]:
 
 
 def shown_kinds(snap) -> list[tuple[str, dict[str, int]]]:
-    """(device key, {kind: bytes}) for the snapshot's devices whose tensors hold anything."""
+    """(device key, {kind: bytes}) for the snapshot's devices whose tensors hold anything. A split equal to
+    one already shown is left out: with the simulated device on, the CPU's tensors are the device's, and
+    the same table twice says nothing more (`.by_kind` keeps both)."""
     out = []
     for dev in snap.device_list:
         kinds = snap.kind_bytes.get(dev.key) or {}
-        if any(kinds.values()):
+        if any(kinds.values()) and all(kinds != seen for _, seen in out):
             out.append((dev.key, kinds))
     return out
