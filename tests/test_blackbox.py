@@ -90,7 +90,7 @@ def test_by_line_bytes_sum_to_what_the_device_had_at_the_failure(torch_warm, mod
         """
         rec, lines, failed = recorded(dev, cell, ns)
         allocated_at_failure = rec.failures[-1].allocated
-    assert isinstance(failed, torch.OutOfMemoryError)
+    assert isinstance(failed, torch.cuda.OutOfMemoryError)
     tl = timeline_from(rec, device=dev.key, capacity=dev.capacity, lines=lines)
     assert tl.at == "failure"
     assert tl.total == allocated_at_failure == sum(u.bytes for u in tl.by_line)
@@ -139,7 +139,7 @@ def test_the_ring_drops_old_events_and_the_alive_set_stays_exact(torch_warm):
             big = torch.empty(64 * 1024 * 1024)
         """, {"torch": torch}, max_events=50)
         allocated = rec.failures[-1].allocated
-    assert isinstance(failed, torch.OutOfMemoryError)
+    assert isinstance(failed, torch.cuda.OutOfMemoryError)
     assert len(rec.events) == 50 and rec.dropped > 1000
     tl = timeline_from(rec, capacity=dev.capacity, lines=lines)
     assert tl.total == allocated
@@ -163,7 +163,7 @@ def test_attempts_are_separate_traces(torch_warm):
                 x = torch.ones(n, 1024, 1024)
                 y = x * 2
                 del x, y
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 pass
             rec.pause()
     dev.detach_recorder()

@@ -235,7 +235,7 @@ def test_output_sizes_are_predicted_once_per_shape(torch_warm):
         b = a @ a
         assert len(dev._mode.predicted) == cached
         big = torch.ones(1024, 512)
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.cuda.OutOfMemoryError):
             big @ big.T                           # 2.5 MiB held, 4 MiB more asked, 6 MiB in all
         assert len(dev._mode.predicted) > cached
         assert dev.allocated == (256 * 256 + 256 * 256 + 1024 * 512) * 4

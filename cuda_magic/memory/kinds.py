@@ -52,6 +52,9 @@ class KindMarker:
         self.ranks: dict[int, int] = {}
         self.graph_nodes = 0
         self._graph_seen: set[int] = set()
+        # The nodes walked, kept while the walk lasts: torch before 2.3 makes a new Python object for a node
+        # on each access and drops it at once, so an id() alone could be reused by the next node.
+        self._graph_held: list = []
         self.truncated = False
 
     def _mark(self, t, kind: int) -> None:
@@ -97,6 +100,12 @@ class KindMarker:
 
     def graphs(self, roots) -> None:
         """The tensors the graphs under `roots` (grad_fn nodes) saved for backward: activations."""
+        try:
+            self._walk_graphs(roots)
+        finally:
+            self._graph_held.clear()      # the walk is over: hold no node (nor what it saved)
+
+    def _walk_graphs(self, roots) -> None:
         rank = _RANK["activations"]
         ttype = self.torch.Tensor
         stack = list(roots)
@@ -108,6 +117,7 @@ class KindMarker:
                 self.truncated = True
                 return
             self._graph_seen.add(id(node))
+            self._graph_held.append(node)
             self.graph_nodes += 1
             for attr in self.saved_attrs(type(node)):
                 try:
