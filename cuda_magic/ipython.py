@@ -20,13 +20,31 @@ def cell_label(filename: str | None) -> str | None:
     and later), else None."""
     shell = current_shell()
     name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if name_of is None or not filename:
+    if not filename or shell is None:
         return None
+    if name_of is None:
+        return _label_from_history(shell, filename)
     try:
         named = name_of(filename)
     except Exception:  # noqa: BLE001 - a label is a nicety; the file name is shown instead
         return None
     return named[1] if named else None
+
+
+def _label_from_history(shell, filename: str) -> str | None:
+    """IPython 7 names no cell files: find the input whose source the file holds (ipykernel caches each
+    cell under a hash of its code), newest first."""
+    import linecache
+
+    entry = linecache.cache.get(filename)
+    history = shell.user_ns.get("In") if isinstance(getattr(shell, "user_ns", None), dict) else None
+    if not entry or not isinstance(history, list):
+        return None
+    source = "".join(entry[2]).rstrip()
+    for n in range(len(history) - 1, 0, -1):
+        if str(history[n]).rstrip() == source:
+            return f"In[{n}]"
+    return None
 
 
 def shell_or_current(shell):
