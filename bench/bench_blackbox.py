@@ -91,7 +91,7 @@ def variants(step):
                 for _ in range(n):
                     step()
         finally:
-            dev.detach_recorder()
+            dev.detach_recorder(rec)
 
     def guarded(timeline):
         def run(n):

@@ -3,6 +3,9 @@ user (the frames a report names are the user's own)."""
 from __future__ import annotations
 
 import os
+import re
+
+_KERNEL_CELL = re.compile(r"[/\\]ipykernel_\d+[/\\][^/\\]+\.py$")
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -12,3 +15,9 @@ def is_library_file(filename: str) -> bool:
     name = filename.replace("\\", "/")
     return (filename.startswith(PACKAGE_DIR) or "/site-packages/" in name or "/dist-packages/" in name
             or "/torch/" in name)
+
+
+def is_cell_file(filename: str) -> bool:
+    """The file IPython compiled a cell under: `<ipython-input-N-...>` (IPython's terminal and IPython 7),
+    `.../ipykernel_PID/HASH.py` (ipykernel: Jupyter, VS Code, Colab)."""
+    return filename.startswith("<ipython-input-") or _KERNEL_CELL.search(filename) is not None

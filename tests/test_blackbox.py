@@ -61,7 +61,7 @@ def recorded(dev, source, ns, *, cell="<cell-bb-1>", max_events=200_000):
     else:
         failed = None
     finally:
-        dev.detach_recorder()
+        dev.detach_recorder(rec)
     return rec, lines, failed
 
 
@@ -166,7 +166,7 @@ def test_attempts_are_separate_traces(torch_warm):
             except torch.cuda.OutOfMemoryError:
                 pass
             rec.pause()
-    dev.detach_recorder()
+    dev.detach_recorder(rec)
     tl = timeline_from(rec, capacity=dev.capacity, failed=False)
     assert tl.attempts == [0, 1]
     assert rec.failures[-1].attempt == 0
@@ -351,3 +351,35 @@ def test_cuda_history_on_a_torch_without_it_is_a_note(fresh_observer):
         _record_memory_history=lambda enabled, record_context=True, trace_alloc_max_entries=1: None,
         _snapshot=lambda: {})), _C=types.SimpleNamespace())
     assert fresh_observer.history_support(legacy) == fresh_observer.NOTE_UNAVAILABLE
+
+
+def test_the_cell_file_is_found_from_the_frames_when_not_known(torch_warm, model_module):
+    """`%oomguard on` starts recording before IPython compiles the cell: the cell's file is the outermost
+    cell module among the frames, not a function defined in an earlier cell."""
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    earlier = "/tmp/ipykernel_41/1111.py"           # a cell that defined a helper
+    cell = "/tmp/ipykernel_41/2222.py"              # the cell running now
+    launcher = "/env/lib/python3.12/site-packages/ipykernel_launcher.py"   # outermost, not a cell
+    rec = Recorder(find_cell=True)
+    site = rec.site_of_frames(frames((TORCH_FILE, 1, "_call_impl"), (earlier, 7, "helper"), (cell, 3, "<module>"),
+                                     (launcher, 18, "<module>")))
+    assert rec.cell_filename == cell and rec.sites[site] == (earlier, 7, "helper", 3)
+    # on the simulated device, from the live frames: a module function called from a cell line
+    dev = SimulatedDevice(256 * MiB)
+    ns = {"torch": torch_warm, "bb_model": model_module}
+    live = Recorder(find_cell=True)
+    dev.attach_recorder(live)
+    try:
+        with dev:
+            run_cell_source("""
+                att = bb_model.Attention(16)
+                y = att(torch.ones(2, 8, 16))
+            """, "<ipython-input-9-abc>", ns)
+    finally:
+        dev.detach_recorder(live)
+    assert live.cell_filename == "<ipython-input-9-abc>"
+    alive = {live.sites[s]: nbytes for s, (nbytes, _) in live.by_site.items()}
+    module_rows = {(fn, cell_line) for (filename, _, fn, cell_line) in alive if filename == model_module.__file__}
+    assert ("forward", 2) in module_rows            # bb_model's forward, reached from the cell's line 2
+    assert alive[(model_module.__file__, 9, "__init__", 1)] > 0   # the Linear's weights, made at cell line 1

@@ -17,7 +17,7 @@ import sys
 import time
 from collections import deque
 
-from cuda_magic.paths import is_library_file
+from cuda_magic.paths import is_cell_file, is_library_file
 
 DEFAULT_MAX_EVENTS = 200_000      # about 20 MB of events at most; the alive set is separate and exact
 BEFORE = 0                        # the site of storages that existed before the recording started
@@ -45,6 +45,12 @@ def grad_mode() -> bool | None:
     return False
 
 
+def _outward(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
 class Failure:
     """The request that did not fit, and the storages alive per site at that moment."""
 
@@ -60,8 +66,11 @@ class Recorder:
     """Events of one guarded run (all its attempts). Sizes are int bytes; times are seconds since start."""
 
     def __init__(self, *, cell_filename: str | None = None, max_events: int = DEFAULT_MAX_EVENTS,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, find_cell: bool = False):
         self.cell_filename = cell_filename
+        # `find_cell`: the running cell's file is not known yet (`%oomguard on` starts recording before
+        # IPython compiles the cell): it is the file of the outermost cell frame, found at the first event
+        self.find_cell = find_cell and cell_filename is None
         self.events: deque = deque(maxlen=max_events)   # (seconds, kind, bytes, allocated after, site, attempt)
         self.total_events = 0
         self.sites: list[tuple] = [(None, None, None, None)]   # site id -> (file, line, function, cell line)
@@ -108,6 +117,8 @@ class Recorder:
         """The site of the code that is running now (called from inside the device's accounting)."""
         library, cell_file = self._library, self.cell_filename
         f = sys._getframe(1)
+        if self.find_cell:
+            cell_file = self._cell_file_of((g.f_code.co_name, g.f_code.co_filename) for g in _outward(f))
         inner = None
         cell_line = None
         while f is not None:
@@ -133,6 +144,8 @@ class Recorder:
         innermost first)."""
         inner = None
         cell_line = None
+        if self.find_cell:
+            self._cell_file_of((fr.get("name"), fr.get("filename") or "") for fr in frames or ())
         for fr in frames or ():
             filename = fr.get("filename") or ""
             if is_library_file(filename) or filename.startswith("??"):
@@ -147,6 +160,17 @@ class Recorder:
         if inner is None:
             return BEFORE if cell_line is None else self.site_id((None, None, None, cell_line))
         return self.site_id((*inner, cell_line))
+
+    def _cell_file_of(self, frames) -> str | None:
+        """The file of the outermost cell module among `frames` (name, filename; innermost first), kept as
+        the cell's file once found."""
+        found = None
+        for name, filename in frames:
+            if name == "<module>" and is_cell_file(filename):
+                found = filename
+        if found is not None:
+            self.cell_filename, self.find_cell = found, False
+        return found
 
     def site_id(self, site: tuple) -> int:
         sid = self._site_ids.get(site)

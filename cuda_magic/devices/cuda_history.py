@@ -80,10 +80,12 @@ class CudaHistory:
     """The allocator history of one CUDA device around a guarded run: start(), begin_attempt(n) for each
     attempt, stop(), then `recorder` holds the replayed events."""
 
-    def __init__(self, torch, index: int, *, cell_filename: str | None = None, max_entries: int = MAX_ENTRIES):
+    def __init__(self, torch, index: int, *, cell_filename: str | None = None, max_entries: int = MAX_ENTRIES,
+                 find_cell: bool = False):
         self.torch = torch
         self.index = index
         self.cell_filename = cell_filename
+        self.find_cell = find_cell
         self.max_entries = max_entries
         self.snapshot: dict | None = None
         self.grad_enabled: bool | None = None     # read in the failing thread by the OOM observer
@@ -94,6 +96,7 @@ class CudaHistory:
         self.start_us = 0.0
         self.attempt_starts: list[tuple[float, int]] = []   # (epoch µs, attempt number)
         self.recorder: Recorder | None = None
+        self.previous: CudaHistory | None = None
 
     def start(self) -> bool:
         global _active
@@ -115,7 +118,7 @@ class CudaHistory:
         if not _attach_observer(self.torch):
             self.notes.append("this torch has no OOM observer: the history is read after the error unwound")
         self.snapshot = None
-        _active = self
+        self.previous, _active = _active, self     # a guarded run inside a `%oomguard on` cell: nested
         self.started = True
         return True
 
@@ -134,20 +137,13 @@ class CudaHistory:
 
     def stop(self) -> Recorder | None:
         """Stop recording (unless the user was), and replay what was recorded."""
-        global _active
         if not self.started:
             return None
         self.take()
-        if _active is self:
-            _active = None
-        self.started = False
-        if not self.user_recording:
-            try:
-                self.torch.cuda.memory._record_memory_history(enabled=None)
-            except Exception as exc:
-                self.notes.append(f"could not switch the allocator history off ({type(exc).__name__})")
+        self._switch_off()
         if self.snapshot is not None:
             self.recorder = replay(self.snapshot, self.index, cell_filename=self.cell_filename,
+                                   find_cell=self.find_cell,
                                    start_allocated=self.start_allocated, start_us=self.start_us,
                                    attempt_starts=self.attempt_starts, grad_enabled=self.grad_enabled)
             self.recorder.notes.extend(self.notes)
@@ -155,8 +151,27 @@ class CudaHistory:
         return self.recorder
 
 
+    def discard(self) -> None:
+        """Stop recording without reading the history (the run fitted and nobody asked to see it)."""
+        if self.started:
+            self._switch_off()
+        self.snapshot = None
+
+    def _switch_off(self) -> None:
+        global _active
+        if _active is self:
+            _active = self.previous
+        self.started = False
+        if not self.user_recording:
+            try:
+                self.torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as exc:
+                self.notes.append(f"could not switch the allocator history off ({type(exc).__name__})")
+
+
 def replay(snapshot: dict, index: int, *, cell_filename: str | None = None, start_allocated: int = 0,
-           start_us: float | None = None, attempt_starts=(), grad_enabled: bool | None = None) -> Recorder:
+           start_us: float | None = None, attempt_starts=(), grad_enabled: bool | None = None,
+           find_cell: bool = False) -> Recorder:
     """A Recorder filled from a `torch.cuda.memory._snapshot()` dict: the run's `alloc` and
     `free_completed` entries (those at or after `start_us`, where entries carry `time_us`), the `oom`
     entries, and what was allocated before the run (`start_allocated`) as one starting block."""
@@ -167,7 +182,7 @@ def replay(snapshot: dict, index: int, *, cell_filename: str | None = None, star
         entries = [e for e in entries if e["time_us"] >= start_us]
     t0 = entries[0]["time_us"] if timed and entries else 0.0
     starts = sorted(attempt_starts)
-    recorder = Recorder(cell_filename=cell_filename, clock=lambda: 0.0)
+    recorder = Recorder(cell_filename=cell_filename, clock=lambda: 0.0, find_cell=find_cell)
     before_key = -1
     recorder.seed({before_key: start_allocated} if start_allocated else {}, start_allocated)
     allocated = start_allocated

@@ -151,7 +151,8 @@ class SimulatedDevice:
         self._finalizers: dict[int, weakref.finalize] = {}
         self._lock = threading.Lock()
         self._mode = None
-        self.recorder = None          # the black box (devices/blackbox.py) while a guarded run records
+        self.recorders: tuple = ()    # black boxes (devices/blackbox.py) recording now: `%oomguard on`'s
+                                      # around a cell, a guarded run's inside it
 
     @property
     def key(self) -> str:
@@ -206,19 +207,20 @@ class SimulatedDevice:
     # -- accounting --------------------------------------------------------------------------------
     def _check(self, needed: int) -> None:
         if needed and self.allocated + needed > self.capacity:
-            if self.recorder is not None:
-                self.recorder.oom(needed, self.allocated)
+            for recorder in self.recorders:
+                recorder.oom(needed, self.allocated)
             raise self.out_of_memory(needed)
 
     def attach_recorder(self, recorder) -> None:
-        """Record allocations, frees and failing requests into `recorder` (a blackbox.Recorder); the
-        storages alive now are its starting set."""
+        """Record allocations, frees and failing requests into `recorder` (a blackbox.Recorder), besides
+        any recording already; the storages alive now are its starting set."""
         with self._lock:
             recorder.seed(dict(self._live), self.allocated)
-            self.recorder = recorder
+            self.recorders = (*self.recorders, recorder)
 
-    def detach_recorder(self) -> None:
-        self.recorder = None
+    def detach_recorder(self, recorder) -> None:
+        with self._lock:
+            self.recorders = tuple(r for r in self.recorders if r is not recorder)
 
     def out_of_memory(self, requested: int):
         from cuda_magic.devices.errors import oom_error_class
@@ -252,19 +254,19 @@ class SimulatedDevice:
                         self._live[key] = nbytes
                         self.allocated += nbytes
                         self._finalizers[key] = weakref.finalize(storage, self._release, key)
-                        if self.recorder is not None:
-                            self.recorder.alloc(key, nbytes, self.allocated)
+                        for recorder in self.recorders:
+                            recorder.alloc(key, nbytes, self.allocated)
                     elif nbytes != known:          # resized in place (out= arguments, resize_)
                         self._live[key] = nbytes
                         self.allocated += nbytes - known
                         grown += max(0, nbytes - known)
-                        if self.recorder is not None:
-                            self.recorder.resize(key, nbytes, self.allocated)
+                        for recorder in self.recorders:
+                            recorder.resize(key, nbytes, self.allocated)
                     if self.allocated > self.peak:
                         self.peak = self.allocated
         if grown and self.allocated > self.capacity:
-            if self.recorder is not None:
-                self.recorder.oom(grown, self.allocated - grown)
+            for recorder in self.recorders:
+                recorder.oom(grown, self.allocated - grown)
             raise self.out_of_memory(grown)
 
     def _release(self, key: int) -> None:
@@ -272,8 +274,8 @@ class SimulatedDevice:
             nbytes = self._live.pop(key, 0)
             self._finalizers.pop(key, None)
             self.allocated -= nbytes
-            if self.recorder is not None:
-                self.recorder.free(key, self.allocated)
+            for recorder in self.recorders:
+                recorder.free(key, self.allocated)
 
     def count_existing(self) -> int:
         """Count the CPU tensor storages that already exist (a gc scan), as a GPU counts what the notebook
