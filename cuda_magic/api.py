@@ -25,7 +25,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     arguments and its module's globals) and to the random generators; `search=True` looks for the largest
     value that fits (each probe undone, then one real call); `accumulate="NAME2"` scales another argument so that NAME x NAME2 stays
     at least what it was. The report of the last call is `func.last_report`;
-    nothing is printed for a call that fitted at once. When nothing fits, the
+    nothing is printed for a call that fits, at once or after retries (the report, with its attempts and
+    the value that fitted, is on `last_report`). When nothing fits, the report is printed and the
     short out-of-memory error is raised (or None returned with `raise_on_oom=False`).
     As a context manager it frees what the failed block's callees held, explains the OOM, and raises the
     short error (or, with `raise_on_oom=False`, suppresses it); the report is the `as` target.
@@ -126,8 +127,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         return result, report
 
     def _show(self, report) -> None:
-        """Silent for a call that fitted at once (the report is on `last_report`); otherwise the report."""
-        if self.quiet or (report.outcome == "ok" and not self.timeline):
+        """Silent for a call that fits, at once or after retries (SPEC: "prints nothing for a call that
+        fits"; the report is on `last_report`); the report after an OOM it could not get past."""
+        if self.quiet or (report.outcome in ("ok", "recovered") and not self.timeline):
             return
         from cuda_magic.display.show import show
 

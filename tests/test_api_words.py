@@ -1,4 +1,5 @@
-"""What the Python API and `-o` show (issue 9, item 7): nothing for a call that fits, advice in the API's
+"""What the Python API and `-o` show (issue 9, item 7): nothing for a call that fits (at once or after
+retries: SPEC, "prints nothing for a call that fits"), advice in the API's
 words on an OOM, the report as one line as a cell's value; `%freecuda --offload` on the simulated device
 lists only what still holds its memory."""
 from __future__ import annotations
@@ -19,6 +20,8 @@ SCRIPT = textwrap.dedent("""
 
     step()
     print("REPORT", step.last_report.outcome)
+    step(bs=1024)                       # 256 MiB: fits only after a retry, and that is a call that fits
+    print("REPORT", step.last_report.outcome, step.last_report.final_value < 1024)
 
     @oomguard(limit="16MiB")
     def too_big():
@@ -36,6 +39,8 @@ def test_api_is_silent_when_it_fits_and_speaks_of_itself_on_an_oom():
     assert out.returncode == 0, out.stderr
     first, rest = out.stdout.split("REPORT ok\n", 1)
     assert first == ""                                  # the call that fitted printed nothing
+    retried, rest = rest.split("REPORT recovered True\n", 1)
+    assert retried == ""                                # nor the one that fitted after retries (SPEC)
     assert "oomguard(" in rest or "cuda_magic.release()" in rest
     for magic_words in ("%%oomguard", "%freecuda", "%gpumem", "kernel"):
         assert magic_words not in rest, (magic_words, rest)

@@ -147,3 +147,48 @@ def test_reclaimed_is_per_clean_up_and_never_above_the_capacity(tip):
     assert len(failed) >= 2
     assert report.reclaimed["sim:0"] == failed[-1].reclaimed <= 64 * 2**20
     assert sum(a.reclaimed for a in failed) > report.reclaimed["sim:0"]
+
+
+def test_files_written_by_a_failed_attempt_are_named_and_no_wrapper_stays(tip, tmp_path):
+    """Files an undone attempt opened for writing (open, pathlib, numpy.save, torch.save, os.open) are named
+    as not undone; those of the run that stands are not; afterwards `open`, `io.open`, `os.open` and
+    `torch.save` are the original objects again: nothing stays installed (an audit hook would)."""
+    import builtins
+    import io
+    import os
+
+    import torch
+
+    originals = (builtins.open, io.open, os.open, torch.save)
+    shell_open = tip.user_ns["open"]                # IPython's own, bound to the original io.open
+    tip.user_ns["out_dir"] = str(tmp_path)
+    cell = ("import pathlib, numpy as np, os\n"
+            "name = 'failed' if bs > 512 else 'kept'\n"
+            "open(f'{out_dir}/{name}.txt', 'w').close()\n"
+            "pathlib.Path(out_dir, f'{name}.path').write_text('x')\n"
+            "np.save(f'{out_dir}/{name}.npy', np.zeros(2))\n"
+            "torch.save({'a': 1}, f'{out_dir}/{name}.pt')\n"
+            "os.close(os.open(f'{out_dir}/{name}.raw', os.O_WRONLY | os.O_CREAT))\n"
+            "open(f'{out_dir}/read-only.txt', 'w').close() if False else None\n"
+            "big = torch.ones(bs, 2**16)\n")
+    run_ok(tip, "bs = 1024")
+    report = tip.run_cell("%%oomguard -l 200MiB -q -o -r bs\n" + cell).result
+    assert report.outcome == "recovered" and report.attempts[0].outcome == "oom"
+    written = [w for w in report.not_undone if w.startswith("files written")]
+    assert len(written) == 1
+    for suffix in ("txt", "path", "npy", "pt", "raw"):
+        assert f"failed.{suffix}" in written[0], (suffix, written)
+    assert "kept" not in written[0]
+    assert (builtins.open, io.open, os.open, torch.save) == originals
+    assert all(a is b for a, b in zip((builtins.open, io.open, os.open, torch.save), originals))
+    assert tip.user_ns["open"] is shell_open
+
+
+def test_the_wrappers_go_even_on_ctrl_c(tip):
+    import builtins
+
+    original = builtins.open
+    run_ok(tip, "bs = 64\nimport builtins\n_open = builtins.open")
+    tip.run_cell("%%oomguard -q -r bs\nwrapped = builtins.open is not _open\nraise KeyboardInterrupt")
+    assert tip.user_ns["wrapped"]                   # installed while the attempt ran
+    assert builtins.open is original

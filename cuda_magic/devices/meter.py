@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+from cuda_magic.devices.probe import cuda_started
+
 
 class SimMeter:
     device_type = "cpu"       # its tensors are CPU tensors
@@ -61,7 +63,7 @@ class CudaMeter:
         self.key = f"cuda:{index}"
 
     def _ready(self) -> bool:
-        return bool(self.torch.cuda.is_initialized())
+        return cuda_started()
 
     def allocated(self) -> int | None:
         return int(self.torch.cuda.memory_allocated(self.index)) if self._ready() else 0
@@ -320,7 +322,7 @@ def choose_meter(device: str | None = None, limit_text: str | None = None, parse
 
 def _cuda_index(device: str | None, torch) -> int:
     if device is None:
-        return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        return torch.cuda.current_device() if cuda_started() else 0
     text = str(device).split(":")[-1]
     return int(text) if text.isdigit() else 0
 

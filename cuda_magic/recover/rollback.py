@@ -12,19 +12,23 @@ A `Checkpoint` is taken before the first attempt; `restore()` puts back, after a
 - the random number generators: torch's CPU and device generators, `random`, numpy's global one.
 
 What cannot be undone is named by `not_undone()`: containers of the namespace whose length an attempt
-changed (a list appended to), and files it opened for writing (seen through an audit hook, installed on
-the first checkpoint: Python cannot remove one, so it stays, doing nothing outside an attempt).
+changed (a list appended to), and files it opened for writing: seen by wrapping `open` (builtins and
+io), `os.open` and, where torch is loaded, `torch.save` (which opens its file in C++) while an attempt
+runs; the originals are put back after each attempt, so nothing stays installed. Not seen: files opened
+through a reference taken before the attempt (`from os import open`), `io.FileIO(...)` called directly, and
+files opened by C extensions other than torch.save.
 """
 from __future__ import annotations
 
+import builtins
 import copy
+import io
 import os
 import random
 import sys
-import threading
 from collections import OrderedDict
 
-from cuda_magic.devices.probe import loaded_torch
+from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available
 from cuda_magic.units import format_bytes
 
 HOST_SHARE = 0.5           # a state copy may take at most this share of the host's available memory
@@ -45,7 +49,8 @@ class Checkpoint:
         self.rng: dict = {}
         self.lengths: dict[str, tuple[int, int]] = {}          # name -> (id, len) of containers
         self.notes: list[str] = []
-        self.files: list[str] = []
+        self.files: list[str] = []                             # written by attempts that were undone
+        self._attempt_files: list[str] = []                    # written by the attempt running now
 
     # taking -------------------------------------------------------------------------------------
     def take(self) -> list[str]:
@@ -99,10 +104,14 @@ class Checkpoint:
                 if note not in self.notes:
                     self.notes.append(note)
         set_rng_state(self.rng)
+        self.files += self._attempt_files          # what an undone attempt wrote stays written
+        self._attempt_files = []
 
     def watching(self):
-        """A context manager: files opened for writing inside it are recorded in `self.files`."""
-        return _WritesSeen(self.files)
+        """A context manager around one attempt: the files it opens for writing are noted, and named by
+        `not_undone()` if the attempt is then undone (`restore()`); the run that stands is not named."""
+        self._attempt_files = []
+        return _WritesSeen(self._attempt_files, self.namespace)
 
     def not_undone(self) -> list[str]:
         """The effects of undone attempts that stayed: containers whose length changed, files written."""
@@ -290,11 +299,10 @@ def rng_state() -> dict:
         with _uncounted():
             state["torch"] = torch.get_rng_state()
             mark_host_only(state["torch"])
-            if torch.cuda.is_initialized():
+            if cuda_started():
                 state["cuda"] = torch.cuda.get_rng_state_all()
-            mps = getattr(torch, "mps", None)
-            if mps is not None and hasattr(mps, "get_rng_state") and torch.backends.mps.is_available():
-                state["mps"] = mps.get_rng_state()
+            if hasattr(getattr(torch, "mps", None), "get_rng_state") and mps_available():
+                state["mps"] = torch.mps.get_rng_state()
     return state
 
 
@@ -316,36 +324,95 @@ def set_rng_state(state: dict) -> None:
 
 # ---- files written during an attempt ----------------------------------------------------------------
 
-_watch = threading.local()
-_hook_installed = False
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT
 
 
-def _audit(event, args):
-    seen = getattr(_watch, "files", None)
-    if seen is None or event != "open":
-        return
-    path, mode, flags = (tuple(args) + (None, None, None))[:3]
-    writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
-    if writes and path is not None and not isinstance(path, int):
-        seen.append(os.fsdecode(path))
+def _path_text(file) -> str | None:
+    if isinstance(file, (str, bytes, os.PathLike)):
+        try:
+            return os.fsdecode(file)
+        except TypeError:
+            return None
+    return None
 
 
 class _WritesSeen:
-    def __init__(self, files: list):
+    """While inside: `builtins.open` / `io.open`, `os.open` and `torch.save` are wrapped to note the paths
+    opened for writing into `files`; on leaving (an exception and Ctrl-C included) the originals are put
+    back, the very same objects. A wrapper that something else replaced meanwhile is left where it is,
+    inert (putting ours back would undo the other change)."""
+
+    def __init__(self, files: list, namespace: dict | None = None):
         self.files = files
+        self.namespace = namespace
+        self.active = False
+        self._installed: list[tuple[object, str, object, object]] = []   # (owner, name, original, wrapper)
+
+    def _note(self, file) -> None:
+        path = _path_text(file)
+        if self.active and path is not None:
+            self.files.append(path)
 
     def __enter__(self):
-        global _hook_installed
-        if not _hook_installed:
-            sys.addaudithook(_audit)
-            _hook_installed = True
-        self._outer = getattr(_watch, "files", None)
-        _watch.files = self.files
+        seen = self
+        original_open, original_os_open = builtins.open, os.open
+
+        def open(file, mode="r", *args, **kwargs):  # noqa: A001 - stands in for the builtin
+            if isinstance(mode, str) and any(c in mode for c in "wax+"):
+                seen._note(file)
+            return original_open(file, mode, *args, **kwargs)
+
+        def os_open(path, flags, *args, **kwargs):
+            if flags & _WRITE_FLAGS:
+                seen._note(path)
+            return original_os_open(path, flags, *args, **kwargs)
+
+        targets = [(builtins, "open", open), (io, "open", open), (os, "open", os_open)]
+        ns = self.namespace
+        shell_open = None if ns is None else ns.get("open")
+        if shell_open is not None and getattr(shell_open, "__wrapped__", None) is original_open:
+            # IPython's own `open` in the user namespace (it refuses fds 0-2), bound to the original io.open
+            def ipython_open(file, *args, **kwargs):
+                mode = kwargs.get("mode", args[0] if args else "r")
+                if isinstance(mode, str) and any(c in mode for c in "wax+"):
+                    seen._note(file)
+                return shell_open(file, *args, **kwargs)
+
+            targets.append((_Namespace(ns), "open", ipython_open))
+        torch = loaded_torch()
+        if torch is not None and callable(getattr(torch, "save", None)):
+            original_save = torch.save
+
+            def save(obj, f, *args, **kwargs):
+                seen._note(f)
+                return original_save(obj, f, *args, **kwargs)
+
+            targets.append((torch, "save", save))
+        self.active = True
+        for owner, name, wrapper in targets:
+            self._installed.append((owner, name, getattr(owner, name), wrapper))
+            setattr(owner, name, wrapper)
         return self
 
     def __exit__(self, *exc):
-        _watch.files = self._outer
+        self.active = False
+        for owner, name, original, wrapper in reversed(self._installed):
+            if getattr(owner, name, None) is wrapper:
+                setattr(owner, name, original)
+        self._installed.clear()
+
+
+class _Namespace:
+    """A dict seen as an object, so that its "open" is replaced and put back like a module attribute."""
+
+    def __init__(self, ns: dict):
+        self.__dict__["_ns"] = ns
+
+    def __getattr__(self, name):
+        return self._ns.get(name)
+
+    def __setattr__(self, name, value):
+        self._ns[name] = value
 
 
 def _available_host() -> int | None:
