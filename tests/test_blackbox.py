@@ -365,6 +365,10 @@ def test_the_cell_file_is_found_from_the_frames_when_not_known(torch_warm, model
     site = rec.site_of_frames(frames((TORCH_FILE, 1, "_call_impl"), (earlier, 7, "helper"), (cell, 3, "<module>"),
                                      (launcher, 18, "<module>")))
     assert rec.cell_filename == cell and rec.sites[site] == (earlier, 7, "helper", 3)
+    # IPython 7.34 on Python 3.11+ names a cell's top-level code `<cell line: N>`
+    old = Recorder(find_cell=True)
+    old.site_of_frames(frames((earlier, 7, "helper"), (cell, 3, "<cell line: 3>"), (launcher, 18, "<module>")))
+    assert old.cell_filename == cell
     # on the simulated device, from the live frames: a module function called from a cell line
     dev = SimulatedDevice(256 * MiB)
     ns = {"torch": torch_warm, "bb_model": model_module}

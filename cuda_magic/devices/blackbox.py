@@ -166,7 +166,8 @@ class Recorder:
         the cell's file once found."""
         found = None
         for name, filename in frames:
-            if name == "<module>" and is_cell_file(filename):
+            # a cell's top level: `<module>`; IPython 7.34 on Python 3.11+ names it `<cell line: N>`
+            if (name == "<module>" or (name or "").startswith("<cell line")) and is_cell_file(filename):
                 found = filename
         if found is not None:
             self.cell_filename, self.find_cell = found, False

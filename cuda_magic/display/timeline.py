@@ -45,7 +45,7 @@ def line_label(use) -> str:
     if use.filename is None and use.cell_line is None:
         return "before the run"
     where = use.where
-    if use.function and not use.in_cell and use.function != "<module>":
+    if use.function and not use.in_cell and not use.function.startswith(("<module>", "<cell line")):
         where += f" ({use.function})"
     if use.cell_line is not None and not use.in_cell and use.filename is not None:
         where += f", cell line {use.cell_line}"
