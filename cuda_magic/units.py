@@ -43,9 +43,10 @@ def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool =
         return max(1, int(capacity * value))
     match = _SIZE_RE.match(raw)
     if not match:
+        fraction = " or a fraction of the capacity (0.25)" if allow_fraction else ""
         raise SizeError(
             f"size {raw!r} is not valid: give a size with a unit (4GiB, 512MB, 64MiB; units B, KiB, MiB, "
-            "GiB, TiB, KB, MB, GB, TB) or a fraction of the capacity (0.25)")
+            f"GiB, TiB, KB, MB, GB, TB){fraction}")
     value, unit = float(match.group(1)), match.group(2).upper()
     if unit not in _UNITS:
         raise SizeError(
