@@ -41,6 +41,10 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
                  accumulate: str | None = None, limit: str | int | float | None = None,
                  amp: str | None = None, device: str | None = None, raise_on_oom: bool = True,
                  quiet: bool = False, timeline: bool | None = None, exact: bool = False):
+        for flag, name in (("retry", retry), ("accumulate", accumulate)):
+            if name is not None and not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(f"{flag}= takes the name of a keyword argument (retry=\"batch_size\"), "
+                                 f"not {name!r}")
         if accumulate is not None and retry is None:
             raise ValueError("accumulate= needs retry=: it is scaled as the retried argument is reduced")
         if exact and accumulate is None:
@@ -97,14 +101,13 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _run(self, call, arguments, roots=()):
         __tracebackhide__ = True  # noqa: F841
-        from cuda_magic.devices.meter import choose_meter, metered_devices
+        from cuda_magic.devices.meter import metered_devices
         from cuda_magic.ipython import current_shell
         from cuda_magic.recover.engine import GuardEngine, RetrySpec
         from cuda_magic.recover.failure import conclude, short_oom_error
         from cuda_magic.recover.report import GuardReport
 
-        meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
-                                    lambda text, cap: parse_size(text, cap))
+        meter, limit = self._choose_meter()
         report = GuardReport(device=meter.key, limit=limit, source="oomguard", api=True)
         report.before = metered_devices(meter)
         self.report = report
@@ -126,6 +129,18 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             raise error
         return result, report
 
+    def _choose_meter(self):
+        """(meter, limit bytes) for this run; `device=` must name a device that is here (ValueError)."""
+        from cuda_magic.devices.meter import choose_meter
+
+        device = self.device
+        if device is not None:
+            from cuda_magic.devices.names import present_devices, resolve_device
+
+            device = resolve_device(device, present_devices(), flag="device=")
+        return choose_meter(device, None if self.limit is None else str(self.limit),
+                            lambda text, cap: parse_size(text, cap))
+
     def _show(self, report) -> None:
         """Silent for a call that fits, at once or after retries (SPEC: "prints nothing for a call that
         fits"; the report is on `last_report`); the report after an OOM it could not get past."""
@@ -139,11 +154,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     def __enter__(self):
         if self.retry is not None:
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
-        from cuda_magic.devices.meter import choose_meter
         from cuda_magic.recover.report import GuardReport
 
-        self._meter, limit = choose_meter(self.device, None if self.limit is None else str(self.limit),
-                                          lambda text, cap: parse_size(text, cap))
+        self._meter, limit = self._choose_meter()
         self._limit = limit
         self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard", api=True)
         self._meter.reset_peak()

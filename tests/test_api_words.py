@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import run_ok
 
 SCRIPT = textwrap.dedent("""
@@ -65,3 +67,25 @@ def test_offloaded_model_is_not_listed_as_holding_the_simulated_device(tip, caps
     out = capsys.readouterr().out
     held = out.split("Still holding device memory", 1)[1]
     assert "other" in held and "model" not in held and "opt" not in held, out
+
+
+def test_bad_arguments_are_named_errors_before_anything_runs():
+    """Bad input to the API: a one-line error that says what to do, before the function runs."""
+    import cuda_magic as cm
+
+    with pytest.raises(ValueError, match=r"retry= takes the name of a keyword argument"):
+        cm.oomguard(retry=3)
+    calls = []
+
+    @cm.oomguard(device="cuda:9")
+    def f():
+        calls.append(1)
+
+    with pytest.raises(ValueError, match=r"device='cuda:9': no such device; devices here: .*cpu"):
+        f()
+    assert calls == []
+    with pytest.raises(TypeError, match="explain\\(\\) takes an exception"):
+        cm.explain(42)
+    assert "not an out-of-memory message" in cm.explain("KeyError: 'x'").summary
+    with pytest.raises(TypeError, match="diff\\(\\) takes two snapshot\\(\\) results"):
+        cm.diff(1, 2)

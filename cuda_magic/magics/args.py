@@ -1,8 +1,6 @@
 """Validation of what users type into the magics: each problem becomes one-line UsageError."""
 from __future__ import annotations
 
-import re
-
 from IPython.core.error import UsageError
 
 from cuda_magic.units import SizeError, parse_size
@@ -25,30 +23,14 @@ def parse_size_arg(text, flag: str, capacity: int | None = None, *, allow_fracti
         raise UsageError(f"{flag}: {exc}") from None
 
 
-_DEVICE_RE = re.compile(r"^(?:(cuda|gpu|sim|mps|cpu|xpu)(?::(\d+))?|(\d+))$", re.IGNORECASE)
-
-
 def parse_device(text: str, available: list[str]) -> str:
-    """The device key among `available` ('cuda:1', 'sim:0', 'cpu') that `text` names."""
-    raw = str(text).strip()
-    m = _DEVICE_RE.match(raw)
-    listed = ", ".join(available) if available else "none"
-    if not m:
-        raise UsageError(f"-d {raw!r} is not a device: give an index (0, 1) or a name like cuda:1; "
-                         f"devices here: {listed}")
-    if m.group(3) is not None:
-        index = int(m.group(3))
-        gpus = [k for k in available if k.split(":")[0] in ("cuda", "xpu")] or \
-            [k for k in available if k.startswith("sim:")]
-        if index < len(gpus):
-            return gpus[index]
-    else:
-        kind = m.group(1).lower().replace("gpu", "cuda")
-        index = m.group(2)
-        key = kind if index is None and kind in ("cpu", "mps") else f"{kind}:{index or 0}"
-        if key in available:
-            return key
-    raise UsageError(f"-d {raw!r}: no such device; devices here: {listed}")
+    """The device key among `available` ('cuda:1', 'sim:0', 'cpu') that `-d text` names."""
+    from cuda_magic.devices.names import resolve_device
+
+    try:
+        return resolve_device(text, available)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_args(magic_func, line: str):

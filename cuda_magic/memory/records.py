@@ -101,6 +101,10 @@ class SnapshotDiff(Rendered):
 
 
 def diff(before: Snapshot, after: Snapshot) -> SnapshotDiff:
+    """What changed from one `snapshot()` to a later one: per device, and the storages that appeared and went."""
+    for name, value in (("before", before), ("after", after)):
+        if not isinstance(value, Snapshot):
+            raise TypeError(f"diff() takes two snapshot() results; {name} is a {type(value).__name__}")
     deltas = []
     for dev in after.device_list:
         old = before.device(dev.key)

@@ -510,7 +510,20 @@ def explain(exc_or_text, **kw) -> Diagnosis:
                 f"{type(exc_or_text).__name__} is not an out-of-memory error: there is no memory "
                 "figure to explain."))
         return diagnose(fields, **kw)
-    text = "" if exc_or_text is None else str(exc_or_text)
-    if message_kind(text) == "fatal":
+    if not isinstance(exc_or_text, str):
+        raise TypeError("explain() takes an exception, the text of its message or OomFields, not "
+                        f"{type(exc_or_text).__name__}")
+    text = exc_or_text
+    kind = message_kind(text)
+    if kind == "fatal":
         return _fatal_diagnosis()
-    return diagnose(parse_oom_message(text), **kw)
+    fields = parse_oom_message(text)
+    if kind is None and all(getattr(fields, f) is None for f in _FIGURES):
+        return Diagnosis(causes=["unknown"], summary=(
+            "This text is not an out-of-memory message and states no memory figure to explain: pass the "
+            "error itself, or its whole message (\"CUDA out of memory. Tried to allocate ...\")."))
+    return diagnose(fields, **kw)
+
+
+_FIGURES = ("requested", "capacity", "free", "this_process", "allocated_by_torch", "reserved_unallocated",
+            "reserved_total")
