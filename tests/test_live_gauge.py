@@ -152,6 +152,19 @@ def test_gpumem_live_updates_across_cells_in_a_kernel_and_off_joins_its_thread()
     assert THREAD_NAME not in printed(nb.cells[10])                 # unloading joined it
 
 
+def test_gpumem_live_in_html_sends_its_updates_as_part_of_the_running_cell():
+    # nbclient, like a front end that drops what belongs to a finished request, takes a message only from
+    # the cell it is running; a display_id update from the gauge's thread during cell 3 must come as part
+    # of cell 3 to reach the gauge shown by cell 2 (no `--live off` here: it would draw a last reading)
+    nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
+                        "%gpumem --live", ALLOCATE, "time.sleep(0.5)"], env={"CUDA_MAGIC_DISPLAY": "html"})
+    shown = [o for o in nb.cells[2].outputs if o.get("output_type") == "display_data"]
+    assert len(shown) == 1
+    html = shown[0]["data"]["text/html"]
+    assert re.search(r"cuda-magic-gauge-allocated\">([^<]*)<", html).group(1) == "25.00 MiB"
+    assert "allocated 25.00 MiB" in shown[0]["data"]["text/plain"]
+
+
 GUARDED = """%%oomguard
 keep = []
 for i in range(25):                     # about 2.5 seconds, 1 MiB every 0.1 s

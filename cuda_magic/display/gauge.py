@@ -146,7 +146,7 @@ def start_guard_gauge(handle, meter, *, delay: float = DELAY, interval: float = 
         view = WidgetView(handle.widget.gauge)
     elif handle.form == "html" and handle.display is not None:
         def frame(reading):
-            bundle = handle.html_bundle(handle.running())
+            bundle = handle.html_bundle(handle.running(), running=True)
             return {"text/html": bundle["text/html"] + gauge_html(reading),
                     "text/plain": bundle["text/plain"] + "\n" + gauge_text(reading)}
 
@@ -162,9 +162,11 @@ def start_guard_gauge(handle, meter, *, delay: float = DELAY, interval: float = 
 class LiveGauge:
     """Reads `reader` (a GaugeReader) and redraws `view` from a daemon thread until `stop()`."""
 
-    def __init__(self, reader, view, *, delay: float = DELAY, interval: float = INTERVAL):
+    def __init__(self, reader, view, *, delay: float = DELAY, interval: float = INTERVAL,
+                 across_cells: bool = False):
         self.reader = reader
         self.view = view
+        self.across_cells = across_cells
         self.delay = delay
         self.interval = interval
         self.readings = 0
@@ -175,9 +177,12 @@ class LiveGauge:
         self._thread: threading.Thread | None = None
 
     def start(self) -> LiveGauge:
-        # run in a copy of the caller's context: a kernel that keeps the current request in a contextvar
-        # then sends the gauge's display updates as part of the cell that started it
-        context = contextvars.copy_context()
+        # A kernel that keeps the current request in a contextvar (ipykernel 7) sends what a thread displays
+        # as part of the request in the thread's context, else of the latest request. A cell's own gauge
+        # runs in a copy of the cell's context: its updates belong to that cell. `%gpumem --live` runs in
+        # an empty context: its updates go out as part of whichever cell runs now, as a display update
+        # that cell made would (front ends route it to the gauge's output by its display_id).
+        context = contextvars.Context() if self.across_cells else contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._run,), name=THREAD_NAME, daemon=True)
         self._thread.start()
         return self

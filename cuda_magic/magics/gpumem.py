@@ -141,7 +141,7 @@ class GpumemMagics(Magics):
 
             device = parse_device(device, [d.key for d in read_devices().devices])
         meter, _ = choose_meter(device)
-        state.live = LiveGauge(GaugeReader(meter), own_view(), delay=0.0).start()
+        state.live = LiveGauge(GaugeReader(meter), own_view(), delay=0.0, across_cells=True).start()
         return None
 
     def _simulate(self, state, capacity, quiet: bool) -> None:

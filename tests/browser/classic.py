@@ -1,28 +1,27 @@
 """Run a notebook in the classic Jupyter Notebook 6 (the Colab environment's: Notebook 6.5 with
 ipywidgets 7, whose widget protocol Colab's pinned ipywidgets speaks), driven by headless Chromium.
 
-`notebook_server` starts a throwaway `jupyter notebook` (free port, no token, temporary root and
-config directories, no banner); `run_all_cells` waits for an idle kernel and for the widget extension
-(widgetsnbextension's `jupyter-js-widgets/extension`) to attach its manager to the kernel, runs every
-cell and returns once all have finished. The browser, ports and shutdown are lab.py's.
+`server` starts a throwaway `jupyter notebook` (lab.jupyter_server: free port, no token, temporary root
+and config directories; no banner); `run_all_cells` waits for an idle kernel and for the widget extension
+(widgetsnbextension's `jupyter-js-widgets/extension`) to attach its manager to the kernel (READY_JS),
+runs every cell (RUN_ALL_JS) and returns once all have finished (FINISHED_JS). The browser, ports,
+shutdown and the running of cells (lab.start_all_cells, lab.wait_until_finished with front=classic) are
+lab.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-from lab import LabServer, copy_notebook, free_port, open_browser, stop_server, wait_until_up
+from lab import LabServer, jupyter_server, run_notebook
+
+NAME = "Notebook"
+OUTPUT = ".output_area"        # one output of a cell
 
 # The kernel is connected and idle, and the widget extension has given it a widget manager and
 # registered the widget view's MIME type: before that, a widget output renders nothing.
-_READY_JS = """
+READY_JS = """
 () => {
   const nb = window.Jupyter && window.Jupyter.notebook;
   const kernel = nb && nb.kernel;
@@ -32,8 +31,11 @@ _READY_JS = """
 }
 """
 
+# execute_all_cells marks the cells as queued ("*") at once; a cell finishes when its prompt has a number.
+RUN_ALL_JS = "() => window.Jupyter.notebook.execute_all_cells()"
+
 # Every code cell has a number in its prompt (none queued or running) and the kernel is idle.
-_RUN_FINISHED_JS = """
+FINISHED_JS = """
 () => {
   const nb = window.Jupyter.notebook;
   const code = nb.get_cells().filter(c => c.cell_type === 'code');
@@ -49,73 +51,34 @@ class NotebookServer(LabServer):
         return f"{self.base_url}/notebooks/{name}"
 
 
-@contextlib.contextmanager
-def notebook_server(notebook: Path, *, startup_timeout_s: float = 90) -> Iterator[NotebookServer]:
-    """Start the classic Notebook with a copy of `notebook` in a temporary root directory."""
-    tmp = Path(tempfile.mkdtemp(prefix="cuda-magic-nb6-"))
-    root_dir = tmp / "root"
-    for path in (root_dir, tmp / "config", tmp / "data", tmp / "runtime"):
-        path.mkdir()
-    copy_notebook(Path(notebook), root_dir)
-    server = NotebookServer(port=free_port(), root_dir=root_dir, log_path=tmp / "notebook.log")
-    # The widget extension is found through sys.prefix (etc/jupyter/nbconfig, share/jupyter/nbextensions),
-    # which stays on the search paths whatever these variables say.
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"))
-    command = [
-        sys.executable, "-m", "notebook",
-        "--no-browser",
-        "--NotebookApp.ip=127.0.0.1",
-        f"--NotebookApp.port={server.port}",
-        "--NotebookApp.port_retries=0",
-        "--NotebookApp.token=",
-        "--NotebookApp.password=",
-        "--NotebookApp.disable_check_xsrf=True",   # POST /api/shutdown without a cookie; loopback only
-        "--NotebookApp.terminals_enabled=False",
-        "--NotebookApp.show_banner=False",
-        f"--NotebookApp.notebook_dir={root_dir}",
-    ]
-    if os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(server.log_path, "wb") as log:
-        proc = subprocess.Popen(command, cwd=root_dir, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_up(proc, server, startup_timeout_s)
-        yield server
-    finally:
-        stop_server(proc, server)
-        shutil.rmtree(tmp, ignore_errors=True)
+def server(notebook: Path, *, startup_timeout_s: float = 90):
+    """Start the classic Notebook with a copy of `notebook` in a temporary root directory (a context
+    manager yielding the NotebookServer). The widget extension is found through sys.prefix
+    (etc/jupyter/nbconfig, share/jupyter/nbextensions), which stays on the search paths whatever the
+    temporary JUPYTER_* directories say."""
+
+    def command(server: NotebookServer, tmp: Path):
+        return [
+            sys.executable, "-m", "notebook",
+            "--no-browser",
+            "--NotebookApp.ip=127.0.0.1",
+            f"--NotebookApp.port={server.port}",
+            "--NotebookApp.port_retries=0",
+            "--NotebookApp.token=",
+            "--NotebookApp.password=",
+            "--NotebookApp.disable_check_xsrf=True",   # POST /api/shutdown without a cookie; loopback only
+            "--NotebookApp.terminals_enabled=False",
+            "--NotebookApp.show_banner=False",
+            f"--NotebookApp.notebook_dir={server.root_dir}",
+        ], {}
+
+    return jupyter_server(notebook, command, name="nb6", server_class=NotebookServer,
+                          startup_timeout_s=startup_timeout_s)
 
 
-def run_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
-    timeout_ms = timeout_s * 1000
-    page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
-    page.wait_for_function(_READY_JS, timeout=timeout_ms, polling=200)
-    page.evaluate("() => window.Jupyter.notebook.execute_all_cells()")
-    # execute_all_cells marks the cells as queued ("*") at once; a cell finishes when its prompt has a number.
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
-    page.wait_for_timeout(500)      # widget views render after the kernel's reply
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
-
-
-@contextlib.contextmanager
-def run_notebook_in_classic(notebook: Path, *, screenshot: Path | None = None,
-                            timeout_s: float = 120) -> Iterator["Page"]:  # noqa: F821
-    """Run `notebook` in a fresh classic Notebook and yield the page once all cells finished; a
-    full-page screenshot goes to `screenshot` when one is given."""
-    notebook = Path(notebook)
-    with notebook_server(notebook) as server, open_browser() as page:
-        try:
-            run_all_cells(page, server.notebook_url(notebook.name), timeout_s=timeout_s)
-        except Exception as exc:
-            if screenshot is not None:
-                with contextlib.suppress(Exception):
-                    page.screenshot(path=str(screenshot), full_page=True)
-            raise RuntimeError(f"{exc}\n--- Notebook log ---\n{server.log_tail()}") from exc
-        if screenshot is not None:
-            save_full_screenshot(page, screenshot)
-        yield page
+def run_notebook_in_classic(notebook: Path, *, screenshot: Path | None = None, timeout_s: float = 120):
+    """Run `notebook` in a fresh classic Notebook (see lab.run_notebook)."""
+    return run_notebook(sys.modules[__name__], notebook, screenshot=screenshot, timeout_s=timeout_s)
 
 
 def save_full_screenshot(page, path: Path) -> Path:

@@ -1,9 +1,11 @@
-"""Run a notebook in a real JupyterLab, driven by headless Chromium through Playwright.
+"""Run a notebook in a real JupyterLab, driven by headless Chromium through Playwright; the pieces that the
+classic Notebook's harness (classic.py) shares.
 
-`lab_server` starts a throwaway JupyterLab (free port, no token, temporary root, config,
-settings and workspace directories, first-run pop-ups off); `open_browser` launches the
-system Chromium (never a Playwright download); `run_all_cells` opens a notebook and runs it
-to the end; `run_notebook_in_lab` ties the three together and yields the page.
+`jupyter_server` starts a throwaway Jupyter server (free port, no token, temporary root, config, data and
+runtime directories), `server` JupyterLab in it (its settings and workspace directories too, first-run
+pop-ups off); `open_browser` launches the system Chromium (never a Playwright download);
+`start_all_cells` / `wait_until_finished` / `run_all_cells` open a notebook and run it, in JupyterLab or,
+with front=classic, in the classic Notebook; `run_notebook` ties them together and yields the page.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+NAME = "JupyterLab"
+OUTPUT = ".jp-OutputArea-output"        # one output of a cell
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -51,7 +55,7 @@ LAB_SETTINGS = {
 
 # True once every code cell has left the queue: no "[*]" prompt, kernel idle, and at least
 # one cell executed (so a run that has not started yet does not count as finished).
-_RUN_FINISHED_JS = """
+FINISHED_JS = """
 () => {
   const app = window.jupyterapp;
   const panel = app && app.shell.currentWidget;
@@ -64,7 +68,10 @@ _RUN_FINISHED_JS = """
 }
 """
 
-_KERNEL_IDLE_JS = """
+# not awaited: the command's promise settles only once every cell has run
+RUN_ALL_JS = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
+
+READY_JS = """
 () => {
   const app = window.jupyterapp;
   const panel = app && app.shell.currentWidget;
@@ -154,52 +161,62 @@ def stop_server(proc: subprocess.Popen, server: LabServer) -> None:
 
 
 @contextlib.contextmanager
-def lab_server(notebook: Path, *, startup_timeout_s: float = 90) -> Iterator[LabServer]:
-    """Start JupyterLab with a copy of `notebook` in a temporary root directory."""
-    tmp = Path(tempfile.mkdtemp(prefix="cuda-magic-lab-"))
-    root_dir, config_dir, settings_dir = tmp / "root", tmp / "config", tmp / "settings"
-    for path in (root_dir, config_dir, settings_dir, tmp / "data", tmp / "runtime"):
+def jupyter_server(notebook: Path, command, *, name: str, server_class=LabServer,
+                   startup_timeout_s: float = 90) -> Iterator[LabServer]:
+    """Start a throwaway Jupyter server: a copy of `notebook` in a temporary root directory, temporary
+    config, data and runtime directories, a free port. `command(server, tmp)` gives its command line and
+    any more environment variables (it may write into the temporary directory `tmp`). The server runs
+    in its own process group; on exit it is asked to shut down (its kernels too), then signalled."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"cuda-magic-{name}-"))
+    root_dir = tmp / "root"
+    for path in (root_dir, tmp / "config", tmp / "data", tmp / "runtime"):
         path.mkdir()
     copy_notebook(Path(notebook), root_dir)
-    _write_settings(settings_dir)
-    server = LabServer(port=free_port(), root_dir=root_dir, log_path=tmp / "lab.log")
-    env = dict(
-        os.environ,
-        JUPYTER_CONFIG_DIR=str(config_dir),
-        JUPYTER_DATA_DIR=str(tmp / "data"),
-        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-        JUPYTERLAB_SETTINGS_DIR=str(settings_dir),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
-    )
-    command = [
-        sys.executable, "-m", "jupyter", "lab",
-        "--no-browser",
-        "--expose-app-in-browser",
-        "--ServerApp.ip=127.0.0.1",
-        f"--ServerApp.port={server.port}",
-        "--ServerApp.port_retries=0",
-        "--IdentityProvider.token=",
-        "--ServerApp.password=",
-        # Lets the harness POST /api/shutdown without a browser cookie; loopback only.
-        "--ServerApp.disable_check_xsrf=True",
-        "--ServerApp.terminals_enabled=False",
-        f"--ServerApp.root_dir={root_dir}",
-        f"--LabApp.user_settings_dir={settings_dir}",
-        f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
-    ]
+    server = server_class(port=free_port(), root_dir=root_dir, log_path=tmp / f"{name}.log")
+    argv, extra_env = command(server, tmp)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), **extra_env)
     if os.geteuid() == 0:  # CI containers run as root
-        command.append("--allow-root")
+        argv.append("--allow-root")
     with open(server.log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command, cwd=root_dir, env=env, stdin=subprocess.DEVNULL,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        proc = subprocess.Popen(argv, cwd=root_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until_up(proc, server, startup_timeout_s)
         yield server
     finally:
         stop_server(proc, server)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def server(notebook: Path, *, startup_timeout_s: float = 90):
+    """Start JupyterLab with a copy of `notebook` in a temporary root directory (a context manager
+    yielding the LabServer)."""
+
+    def command(server: LabServer, tmp: Path):
+        settings_dir, workspaces_dir = tmp / "settings", tmp / "workspaces"
+        _write_settings(settings_dir)
+        argv = [
+            sys.executable, "-m", "jupyter", "lab",
+            "--no-browser",
+            "--expose-app-in-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={server.port}",
+            "--ServerApp.port_retries=0",
+            "--IdentityProvider.token=",
+            "--ServerApp.password=",
+            # Lets the harness POST /api/shutdown without a browser cookie; loopback only.
+            "--ServerApp.disable_check_xsrf=True",
+            "--ServerApp.terminals_enabled=False",
+            f"--ServerApp.root_dir={server.root_dir}",
+            f"--LabApp.user_settings_dir={settings_dir}",
+            f"--LabApp.workspaces_dir={workspaces_dir}",
+        ]
+        return argv, {"JUPYTERLAB_SETTINGS_DIR": str(settings_dir),
+                      "JUPYTERLAB_WORKSPACES_DIR": str(workspaces_dir)}
+
+    return jupyter_server(notebook, command, name="lab", startup_timeout_s=startup_timeout_s)
+
 
 
 @contextlib.contextmanager
@@ -218,34 +235,33 @@ def open_browser(viewport: tuple[int, int] = (1280, 900)) -> Iterator["Page"]:  
             browser.close()
 
 
-def start_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
-    """Open the notebook at `url`, wait for an idle kernel, and start running every cell (returns at
-    once: look at the page while cells run, then `wait_until_finished`)."""
+def start_all_cells(page, url: str, *, timeout_s: float = 120, front=None) -> None:
+    """Open the notebook at `url`, wait until the front end is ready (`front.READY_JS`: this module's or
+    classic's; an idle kernel), and start running every cell (returns at once: look at the page while
+    cells run, then `wait_until_finished`)."""
+    front = front or sys.modules[__name__]
     timeout_ms = timeout_s * 1000
     page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
-    page.wait_for_function(_KERNEL_IDLE_JS, timeout=timeout_ms, polling=200)
-    # not awaited: the command's promise settles only once every cell has run
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    page.wait_for_function(front.READY_JS, timeout=timeout_ms, polling=200)
+    page.evaluate(front.RUN_ALL_JS)
 
 
-def wait_until_finished(page, *, timeout_s: float = 120) -> None:
-    """Return once every cell has finished (none queued, kernel idle) and outputs have rendered."""
+def wait_until_finished(page, *, timeout_s: float = 120, front=None) -> None:
+    """Return once every cell has finished (`front.FINISHED_JS`: none queued, kernel idle) and outputs
+    (widget views above all, which render after the kernel's reply) have rendered."""
+    front = front or sys.modules[__name__]
     timeout_ms = timeout_s * 1000
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+    page.wait_for_function(front.FINISHED_JS, timeout=timeout_ms, polling=200)
     page.wait_for_timeout(500)
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+    page.wait_for_function(front.FINISHED_JS, timeout=timeout_ms, polling=200)
 
 
-def run_all_cells(page, url: str, *, timeout_s: float = 120) -> None:
+def run_all_cells(page, url: str, *, timeout_s: float = 120, front=None) -> None:
     """Open the notebook at `url`, wait for an idle kernel, run every cell, and return once
     every cell has finished (none queued, kernel idle)."""
-    timeout_ms = timeout_s * 1000
-    start_all_cells(page, url, timeout_s=timeout_s)
+    start_all_cells(page, url, timeout_s=timeout_s, front=front)
     page.wait_for_timeout(500)
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
-    # Outputs (widget views above all) render asynchronously after the kernel reply.
-    page.wait_for_timeout(500)
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_ms, polling=200)
+    wait_until_finished(page, timeout_s=timeout_s, front=front)
 
 
 def save_full_screenshot(page, path: Path) -> Path:
@@ -279,23 +295,28 @@ def save_full_screenshot(page, path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def run_notebook_in_lab(
-    notebook: Path, *, screenshot: Path | None = None, timeout_s: float = 120
-) -> Iterator["Page"]:  # noqa: F821
-    """Run `notebook` in a fresh JupyterLab and yield the page once all cells finished.
-    A full-page screenshot goes to `screenshot` when one is given."""
+def run_notebook(front, notebook: Path, *, screenshot: Path | None = None,
+                 timeout_s: float = 120) -> Iterator["Page"]:  # noqa: F821
+    """Run `notebook` in a fresh front end and yield the page once all cells finished; a full-page
+    screenshot goes to `screenshot` when one is given. `front` is a module with this one's interface
+    (`server`, the JS conditions, `save_full_screenshot`): lab (this one) or classic."""
     notebook = Path(notebook)
-    with lab_server(notebook) as server, open_browser() as page:
+    with front.server(notebook) as server, open_browser() as page:
         try:
-            run_all_cells(page, server.notebook_url(notebook.name), timeout_s=timeout_s)
+            run_all_cells(page, server.notebook_url(notebook.name), timeout_s=timeout_s, front=front)
         except Exception as exc:
             if screenshot is not None:
                 with contextlib.suppress(Exception):
-                    page.screenshot(path=str(screenshot))
-            raise RuntimeError(f"{exc}\n--- JupyterLab log ---\n{server.log_tail()}") from exc
+                    page.screenshot(path=str(screenshot), full_page=True)
+            raise RuntimeError(f"{exc}\n--- {front.NAME} log ---\n{server.log_tail()}") from exc
         if screenshot is not None:
-            save_full_screenshot(page, screenshot)
+            front.save_full_screenshot(page, screenshot)
         yield page
+
+
+def run_notebook_in_lab(notebook: Path, *, screenshot: Path | None = None, timeout_s: float = 120):
+    """Run `notebook` in a fresh JupyterLab (see run_notebook)."""
+    return run_notebook(sys.modules[__name__], notebook, screenshot=screenshot, timeout_s=timeout_s)
 
 
 def error_outputs(page) -> list[str]:
@@ -323,8 +344,16 @@ def save_element_screenshot(locator, path: Path, *, pad_px: int = 8) -> Path:
     cuts text flush at its edges)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    locator.scroll_into_view_if_needed()
-    box = locator.bounding_box()
+    # an element a display update replaces (the classic Notebook redraws an output in a new node) can
+    # be gone between the scroll and the measure: measure again
+    for _ in range(10):
+        locator.scroll_into_view_if_needed()
+        box = locator.bounding_box()
+        if box is not None:
+            break
+        locator.page.wait_for_timeout(50)
+    else:
+        raise AssertionError(f"{locator} kept being replaced: no screenshot")
     viewport = locator.page.viewport_size
     # JupyterLab never scrolls the page itself (its panels scroll), so the element's
     # viewport coordinates are page coordinates.

@@ -1,6 +1,7 @@
-"""The demo in the classic Jupyter Notebook 6.5 with ipywidgets 7 (the Colab environment:
-scripts/setup_colab.sh), in headless Chromium: every widget output renders as a widget, none as an
-error, and a screenshot is written (CUDA_MAGIC_ARTIFACTS, default artifacts/browser)."""
+"""The classic Jupyter Notebook 6.5 with ipywidgets 7 (the Colab environment: scripts/setup_colab.sh), in
+headless Chromium: the demo's widget outputs render as widgets, none as an error; and seeing memory
+(tests/browser/seeing.py: the live gauges change while cells run, the by-kind bar renders) in the widget
+and the HTML forms. Screenshots go to CUDA_MAGIC_ARTIFACTS (default artifacts/browser)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab import CHROMIUM  # noqa: E402
+from seeing import check_seeing  # noqa: E402
 
 
 def _classic_notebook() -> bool:
@@ -68,3 +70,10 @@ def test_demo_renders_widgets_in_classic_notebook():
         page.locator(".cuda-magic-widget:has(.cuda-magic-diagnosis)").first.screenshot(path=str(oom_shot))
     for path in (shot, oom_shot):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("form", ["widget", "html"])
+def test_gauge_changes_while_a_later_cell_runs_and_by_kind_bar_renders(form, tmp_path):
+    import classic
+
+    check_seeing(classic, form, tmp_path)
