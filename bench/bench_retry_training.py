@@ -1,6 +1,7 @@
 """`-r`, `--search` and accelerate's `find_executable_batch_size` side by side on a training cell.
 
     .venv/bin/python bench/bench_retry_training.py [--start N ...] [--capacity 64MiB] [--steps 3]
+        [--cell mlp|cnn] [--methods r search accelerate] [--maximum N]
 
 The cell: three optimizer steps (SGD with momentum) of an MLP with BatchNorm on random batches of `bs`
 rows, in a real IPython shell with `%gpumem --simulate 64MiB` on (every method runs on the same simulated
@@ -31,7 +32,7 @@ START = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), tor
          random.getstate())
 
 def reset():
-    for name in ("x", "y", "loss"):          # the previous run's batch and graph: not part of the start
+    for name in ("x", "y", "loss", "xb", "yb", "loader"):          # the previous run's batch and graph: not part of the start
         globals().pop(name, None)
     gc.collect()
     model.load_state_dict(START[0]); opt.load_state_dict(copy.deepcopy(START[1]))
@@ -51,6 +52,31 @@ def same(a, b):
     return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
             and a[1].keys() == b[1].keys()
             and all(torch.equal(a[1][i][k], b[1][i][k]) for i in a[1] for k in a[1][i]))
+"""
+
+# a CNN on CIFAR-sized images (uint8 in memory, as a dataset usually is) through a DataLoader built in the
+# cell with the batch size tried: conv, BatchNorm, ReLU, pooling, SGD with momentum, several steps
+SETUP_CNN = SETUP.replace("""model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),
+                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))""",
+"""from torch.utils.data import DataLoader, TensorDataset
+images = torch.randint(0, 256, (4096, 3, 32, 32), dtype=torch.uint8)
+labels = torch.randint(0, 10, (4096,))
+data = TensorDataset(images, labels)
+def block(cin, cout):
+    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+model = nn.Sequential(*block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128), nn.MaxPool2d(2),
+                      *block(128, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))""")
+
+CELL_CNN = """model.train()
+loader = DataLoader(data, batch_size=bs, shuffle=True)
+for step, (xb, yb) in enumerate(loader):
+    if step == STEPS:
+        break
+    x = xb.float().div_(255)
+    loss = nn.functional.cross_entropy(model(x), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
 """
 
 CELL = """model.train()
@@ -154,7 +180,7 @@ def guarded(ip, start: int, flags: str) -> dict:
     seconds = time.perf_counter() - t0
     after = ip.user_ns["fingerprint"]()
     return dict(runs=len(report.attempts), probes=sum(a.probe for a in report.attempts), seconds=seconds,
-                found=report.final_value, after=after)
+                found=report.final_value, after=after, values=[a.value for a in report.attempts])
 
 
 def accelerate(ip, start: int) -> dict | None:
@@ -169,29 +195,45 @@ def accelerate(ip, start: int) -> dict | None:
     found = run(ip, f"find_executable_batch_size(counted, starting_batch_size={start})()")
     seconds = time.perf_counter() - t0
     after = ip.user_ns["fingerprint"]()
-    return dict(runs=len(ip.user_ns["attempts"]), probes=0, seconds=seconds, found=found, after=after)
+    tried = ip.user_ns["attempts"]
+    return dict(runs=len(tried), probes=0, seconds=seconds, found=found, after=after,
+                values=tried if len(tried) <= 6 else [*tried[:3], "...", *tried[-2:]])
+
+
+METHODS = {"r": "`-r bs`", "search": "`-r bs --search`", "accelerate": "accelerate `find_executable_batch_size`"}
+CELLS = {
+    "mlp": ("{steps} steps of SGD with momentum on an MLP with BatchNorm (256-1024-1024-10)", SETUP, CELL),
+    "cnn": ("{steps} steps of SGD with momentum on a CNN with BatchNorm (4 conv blocks, 32x32x3 images) through "
+            "a DataLoader built in the cell", SETUP_CNN, CELL_CNN),
+}
 
 
 def main(argv=None) -> None:
+    global CELL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--start", type=int, nargs="+", default=[4096, 1200])
     parser.add_argument("--capacity", default="64MiB")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cell", choices=sorted(CELLS), default="mlp")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--maximum", type=int, help="the largest value that fits, if known (skips finding it)")
     args = parser.parse_args(argv)
+    what, setup, CELL = CELLS[args.cell]
     ip = shell()
     ip.run_line_magic("gpumem", f"--simulate {args.capacity} -q")   # first: the model counts on it
-    run(ip, SETUP)
+    run(ip, setup)
     ip.user_ns["STEPS"] = args.steps
-    maximum = largest_fitting(ip, max(args.start) * 2)
+    maximum = args.maximum or largest_fitting(ip, max(args.start) * 2)
     print(f"command: .venv/bin/python bench/bench_retry_training.py {' '.join(argv or sys.argv[1:])}".rstrip())
-    print(f"cell: {args.steps} steps of SGD with momentum on an MLP with BatchNorm (256-1024-1024-10), "
-          f"simulated GPU of {args.capacity}; largest bs that fits: {maximum}\n")
+    print(f"cell: {what.format(steps=args.steps)}, simulated GPU of {args.capacity}; largest bs that fits: "
+          f"{maximum}\n")
     have_accelerate = True
     rows = []
+    measures = {"r": lambda s: guarded(ip, s, ""), "search": lambda s: guarded(ip, s, "--search"),
+                "accelerate": lambda s: accelerate(ip, s)}
     for start in args.start:
-        for name, measure in (("`-r bs`", lambda s: guarded(ip, s, "")),
-                              ("`-r bs --search`", lambda s: guarded(ip, s, "--search")),
-                              ("accelerate `find_executable_batch_size`", lambda s: accelerate(ip, s))):
+        for key in args.methods:
+            name, measure = METHODS[key], measures[key]
             print(f"{start} {name}", file=sys.stderr)
             result = measure(start)
             if result is None:
@@ -199,13 +241,14 @@ def main(argv=None) -> None:
                 continue
             clean_seconds, clean = clean_run(ip, result["found"])
             equal = ip.user_ns["same"](result["after"], clean)
+            values = " ".join(str(v) for v in result.get("values", ()))
             rows.append([str(start), name, f"{result['runs']}" + (f" ({result['probes']} probes)" if result["probes"] else ""),
-                         f"{result['seconds']:.2f} s", f"{result['seconds'] / clean_seconds:.1f}x",
+                         values, f"{result['seconds']:.2f} s", f"{result['seconds'] / clean_seconds:.1f}x",
                          f"{result['found']} ({result['found'] / maximum:.1%})", "yes" if equal else "no"])
     if not have_accelerate:
         print("note: accelerate is not installed, so its rows are skipped (pip install accelerate)\n")
-    head = ["start", "method", "runs of the cell", "total time", "vs one clean run", "found (of largest)",
-            "model = one clean run"]
+    head = ["start", "method", "runs of the cell", "values tried", "total time", "vs one clean run",
+            "found (of largest)", "model = one clean run"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

@@ -104,7 +104,8 @@ class GuardEngine:
                 attempt = Attempt(value, Outcome.ERROR, meter.peak(), duration=time.perf_counter() - t0,
                                   start_allocated=start)
                 return RunResult(self._record(attempt), error=exc)
-            failure = read_failure(exc, meter, filename=self.filename, lines=self.lines)
+            failure = read_failure(exc, meter, filename=self.filename, lines=self.lines,
+                                   progress=self.retry is not None)
             attempt = Attempt(value, Outcome.OOM, meter.peak(), failure.oom.requested,
                               time.perf_counter() - t0, start)
             failed = exc
@@ -221,9 +222,13 @@ class GuardEngine:
                 ok = result.failure is None
                 if not ok:
                     self._failed(result)
+                where = result.failure.progress if result.failure else None
                 policy.record(value, ok, peak=result.attempt.peak, requested=result.attempt.requested,
                               baseline=result.attempt.start_allocated,
                               allocated_at_failure=result.failure.allocated if result.failure else None,
+                              progress=where.share if where else None,
+                              input_bytes=where.input_bytes if where else 0,
+                              grads_to_come=where.grads_to_come if where else 0,
                               capacity=result.failure.oom.capacity if result.failure and not self.limit else None)
                 following = policy.next()
                 if ok and (following is None and policy.best == value):

@@ -33,6 +33,7 @@ class Failure:
     allocated: int | None          # allocated on the meter's device when it failed
     reserved: int | None           # reserved then: what a clean-up gives back is measured against it
     by_kind: dict[str, int] | None = None   # the device's tensors by kind then (memory.kinds)
+    progress: object = None        # where in the model's forward pass it failed (recover.progress.Progress)
 
 
 def kind_of(exc: BaseException) -> Outcome:
@@ -87,12 +88,16 @@ def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailureP
 
 
 def read_failure(exc: BaseException, meter, *, filename: str | None = None,
-                 lines: list[str] | None = None) -> Failure:
+                 lines: list[str] | None = None, progress: bool = False) -> Failure:
     """Step 1, inside the `except` block: plain values only (the failed run's tensors are still alive: what
-    they are, by kind, is counted now)."""
+    they are, by kind, is counted now). `progress`: also how far through the model's forward pass it came
+    (for a retry's prediction)."""
+    from cuda_magic.recover.progress import forward_progress
+
     allocated = _read(meter.allocated)
     return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
-                   allocated=allocated, reserved=_read(meter.reserved), by_kind=kinds_at_failure(meter, allocated))
+                   allocated=allocated, reserved=_read(meter.reserved), by_kind=kinds_at_failure(meter, allocated),
+                   progress=forward_progress(exc.__traceback__) if progress else None)
 
 
 def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:

@@ -12,8 +12,13 @@ linearly with the value, these predict the largest value that fits:
 - nothing fitted yet: a failure at v that needed at least N of the C - B available bounds the maximum by
   v * (C - B) / N; `--search` tries a quarter of that bound (plain halving when nothing was measured),
   low enough to fit even when the failing allocation came early in the cell, so that its peak is measured;
-  `-r` (which keeps the first value that fits) tries 88% of it, or 60% when the first failure came midway
-  through the cell (the failing request less than half of what it needed);
+  `-r` (which keeps the first value that fits) predicts instead: when the failure came inside a
+  `torch.nn.Module` call, the failing module's place among the model's leaf modules says how much of the
+  forward pass was done (recover/progress.py); what the failure held, less the model's input, is
+  extrapolated to the whole pass (the modules still to run taking what those before took), the gradients
+  the backward pass has still to allocate are added, and 88% of the value that fits in that is tried.
+  Elsewhere (no module call in the traceback) it tries 88% of the bound, or 60% when the first failure came
+  midway through the cell (the failing request less than half of what it needed);
 - one value fitted: its peak per unit predicts the maximum; the fixed part of the cell counted as per-unit
   memory makes this prediction fall short, never over, so it fits and gives a second exact point;
 - two values fitted: their peaks give slope and fixed part, and the fitted maximum less a small margin.
@@ -32,6 +37,8 @@ RETRY_SHARE = 0.88   # -r: try this fraction of the largest value a failure leav
                      # failing request was most of what the cell needed (it failed at its peak) ...
 MIDWAY_SHARE = 0.6   # ... and this one when it failed midway (many allocations, then a smaller one):
                      # the bound then overestimates by what the rest of the cell would have taken
+PROGRESS_SHARE = 0.88  # -r: try this fraction of the value predicted from a failure inside the model's
+                       # forward pass, extrapolated from the share of it done (recover/progress.py)
 REPEAT_SHARE = 0.6   # -r, after more than one failure: at most this fraction of the smallest value that failed
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
 MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit
@@ -51,6 +58,9 @@ class Measured:
     baseline: int | None = None           # allocated before the cell ran
     allocated_at_failure: int | None = None
     capacity: int | None = None           # what the run could allocate in all, as known after it
+    progress: float | None = None         # share of the model's forward pass done when it failed
+    input_bytes: int = 0                  # of that: the tensors the model was called with
+    grads_to_come: int = 0                # gradients the backward pass still to come will allocate
 
     @property
     def own_peak(self) -> int | None:
@@ -58,6 +68,17 @@ class Measured:
         if not self.ok or self.peak is None:
             return None
         return self.peak - (self.baseline or 0)
+
+    @property
+    def needed_estimate(self) -> int | None:
+        """What the whole training step would have held, extrapolated from the share of the forward pass
+        done: the modules still to run taking, per module, what those before took (the model's input
+        not counted again), and the gradients still to come (an estimate, not a bound)."""
+        needed = self.needed_at_least
+        if needed is None or not self.progress or not 0 < self.progress <= 1:
+            return needed
+        inputs = min(self.input_bytes, needed)
+        return int(inputs + (needed - inputs) / self.progress) + self.grads_to_come
 
     @property
     def needed_at_least(self) -> int | None:
@@ -129,15 +150,18 @@ class BatchSearch:
 
     def record(self, value: int, ok: bool, peak: int | None = None, requested: int | None = None,
                baseline: int | None = None, allocated_at_failure: int | None = None,
-               capacity: int | None = None) -> None:
-        """What the run with `value` did; `capacity` updates the known capacity (e.g. from the message)."""
+               capacity: int | None = None, progress: float | None = None, input_bytes: int = 0,
+               grads_to_come: int = 0) -> None:
+        """What the run with `value` did; `capacity` updates the known capacity (e.g. from the message);
+        `progress` the share of the model's forward pass a failed run had done, `input_bytes` the model's
+        input, `grads_to_come` the gradients its backward pass had still to allocate (recover/progress.py)."""
         if value != self._pending:
             raise ValueError(f"record() got {value}, but the value to run was {self._pending}")
         if capacity is not None and capacity > 0:
             self.capacity = capacity
         reason, self._pending = self.reason, None
         self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
-                                     allocated_at_failure, self.capacity))
+                                     allocated_at_failure, self.capacity, progress, input_bytes, grads_to_come))
         self._check_independent()
 
     def _check_independent(self) -> None:
@@ -244,6 +268,17 @@ class BatchSearch:
     def _go_down(self, hi: int) -> tuple[int | None, str]:
         if hi <= self.floor:
             return None, f"the floor {self.floor} ran out of memory"
+        value, why = (self._predict_down(hi) if not self.search else None) or self._descend(hi)
+        failures = sum(not m.ok for m in self.history)
+        if not self.search and failures > 1 and value > int(hi * REPEAT_SHARE):
+            value, why = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed"
+        value = min(value, hi - 1)
+        if value < self.floor:
+            return self.floor, f"the floor {self.floor} (--min)"
+        return value, why or f"halved from {hi}"
+
+    def _descend(self, hi: int) -> tuple[int, str]:
+        """--search, or -r where no failure's measure is usable: a share of the tightest failure bound."""
         bound, why, share = hi, "", self.descent
         for m in self.history:
             limit = self._failure_bound(m)
@@ -254,14 +289,35 @@ class BatchSearch:
                     share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
                 why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
                        f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
-        value = int(bound * share) if bound < hi else hi // 2
-        failures = sum(not m.ok for m in self.history)
-        if not self.search and failures > 1 and value > int(hi * REPEAT_SHARE):
-            value, why = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed"
-        value = min(value, hi - 1)
-        if value < self.floor:
-            return self.floor, f"the floor {self.floor} (--min)"
-        return value, why or f"halved from {hi}"
+        return (int(bound * share) if bound < hi else hi // 2), why
+
+    def _predict_down(self, hi: int) -> tuple[int, str] | None:
+        """-r: the smallest of the failures' predictions. A failure inside the model's forward pass, a
+        known share of the way through it, predicts from the whole pass extrapolated (the modules still
+        to run taking what those before took); other failures give the bound with a share as before."""
+        available = self._available()
+        if available is None:
+            return None
+        best = None
+        for m in self.history:
+            limit = self._failure_bound(m)
+            if limit is None or limit >= hi:
+                continue
+            if m.progress is not None and 0 < m.progress <= 1:
+                estimate = int(m.value * available / m.needed_estimate)
+                value = int(estimate * PROGRESS_SHARE)
+                why = (f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
+                       f"{format_bytes(m.needed_at_least)} held {m.progress:.0%} of the way through the model's "
+                       "forward pass")
+            else:
+                first = m is self.history[0]
+                share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
+                value = int(limit * share)
+                why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
+                       f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
+            if best is None or value < best[0]:
+                best = (value, why)
+        return best
 
     def _go_up(self, best: int, hi: int) -> tuple[int | None, str]:
         available = self._available()
