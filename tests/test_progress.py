@@ -60,3 +60,58 @@ def test_a_custom_forward_that_fails_between_its_children():
 
     # in Net, not in a child: counted as if all its leaves were done (an upper bound of the share)
     assert progress_of(Net(), (4096, 64), 12 << 20).share == pytest.approx(1.0)
+
+
+def cnn():
+    from torch import nn
+
+    def block(cin, cout, stride=1):
+        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+    return nn.Sequential(*block(3, 16), nn.MaxPool2d(2), *block(16, 32, stride=2), nn.AvgPool2d(3, 2, 1),
+                         nn.Sequential(*block(32, 32), nn.Dropout(0.1)), nn.Conv2d(32, 8, 1, padding="same"),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(8, 10), nn.ReLU(inplace=True))
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("index", [0, 2, 5, 9, 13])
+def test_the_sizes_of_the_layers_still_to_run_match_a_real_forward_pass(index, train):
+    """recover/shapes.py: from the input shape of leaf `index`, the bytes the leaves after it allocate,
+    against the outputs of a real forward pass (views and in-place layers allocate nothing)."""
+    from cuda_magic.recover.shapes import rest_bytes, sequential_only
+
+    model = cnn().train(train)
+    leaves = [m for m in model.modules() if next(iter(m.children()), None) is None]
+    h, shapes, real = torch.randn(4, 3, 30, 30), [], []
+    with torch.no_grad():
+        for leaf in leaves:
+            shapes.append(tuple(h.shape))
+            out = leaf(h)
+            new = out.untyped_storage().data_ptr() != h.untyped_storage().data_ptr()
+            real.append(out.nbytes if new else 0)          # (dropout's mask in training is not counted)
+            h = out
+    assert sequential_only(model, torch)
+    assert rest_bytes(leaves, index, shapes[index], 4, torch) == sum(real[index + 1:])
+
+
+def test_a_failure_in_a_chain_of_layers_knows_what_is_still_to_come():
+    model = mlp()
+    where = progress_of(model, (4096, 64), 14 << 20)      # fails in the second BatchNorm (leaf 5 of 7)
+    assert where.rest_bytes == 4096 * 256 * 4 + 4096 * 10 * 4    # its ReLU, then the last Linear
+    assert where.input_bytes == 4096 * 64 * 4
+    assert where.grads_to_come == sum(p.nbytes for p in model.parameters())
+
+
+def test_a_model_with_its_own_forward_is_extrapolated_not_walked():
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+
+        def forward(self, x):
+            return self.layers(x) * 2                  # not only its children: their sizes do not tell
+
+    where = progress_of(Net(), (4096, 64), 8 << 20)      # fails in the first ReLU
+    assert where is not None and where.rest_bytes is None and 0 < where.share < 1

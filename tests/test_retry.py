@@ -368,3 +368,21 @@ def test_a_failure_midway_through_the_forward_pass_predicts_from_the_share_done(
     blind = drive_with_progress(model, start, known=False)
     blind_values = [v for v, _, _, _ in blind.attempts]
     assert len(blind_values) > 2 or blind.best < 0.85 * maximum, (blind_values, maximum)
+
+
+def test_the_sizes_of_the_layers_still_to_run_replace_the_extrapolation():
+    """A failure early in a chain of layers whose later layers are smaller (a CNN after pooling): counting
+    what those layers will allocate predicts far more than extrapolating what the first layers took."""
+    capacity, baseline, v = 96 * MiB, 13 * MiB, 256
+    common = dict(peak=81 * MiB, requested=32 * MiB, baseline=baseline, allocated_at_failure=81 * MiB,
+                  progress=3 / 17, input_bytes=3 * MiB, grads_to_come=MiB)
+    values = {}
+    for rest in (None, 336 * MiB):
+        policy = BatchSearch(v, 1, False, capacity)
+        policy.first()
+        policy.record(v, False, **common, rest_bytes=rest)
+        values[rest] = policy.next()
+        assert ("from their sizes" in policy.reason) == (rest is not None)
+    # what fits: (capacity - baseline) / (needed + rest + grads + one more activation) per unit
+    assert values[336 * MiB] == int(0.88 * int(v * 83 * MiB / ((100 + 336 + 1 + 32) * MiB)))
+    assert values[336 * MiB] > 1.1 * values[None]

@@ -229,6 +229,7 @@ class GuardEngine:
                               progress=where.share if where else None,
                               input_bytes=where.input_bytes if where else 0,
                               grads_to_come=where.grads_to_come if where else 0,
+                              rest_bytes=where.rest_bytes if where else None,
                               capacity=result.failure.oom.capacity if result.failure and not self.limit else None)
                 following = policy.next()
                 if ok and (following is None and policy.best == value):

@@ -25,6 +25,8 @@ class Progress:
     input_bytes: int = 0          # the tensors the model was called with (there before it ran)
     grads_to_come: int = 0        # a model in training whose trainable parameters have no gradient yet:
                                   # the backward pass still to come will allocate this much
+    rest_bytes: int | None = None  # what the layers after the failing one will allocate, where the model
+                                   # is a chain of layers whose output sizes are known (recover/shapes.py)
 
 
 def forward_progress(tb) -> Progress | None:
@@ -38,15 +40,17 @@ def forward_progress(tb) -> Progress | None:
     module_class = torch.nn.Module
     call_codes = {getattr(module_class, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
                   if hasattr(getattr(module_class, name, None), "__code__")}
-    chain, inputs = [], 0
+    chain, inputs, first_arg = [], 0, None
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code in call_codes:
             local = frame.f_locals
             module = local.get("self")
             if isinstance(module, module_class) and (not chain or chain[-1] is not module):
+                args = local.get("args", ())
                 if not chain:
-                    inputs = _tensor_bytes(torch, [*local.get("args", ()), *local.get("kwargs", {}).values()])
+                    inputs = _tensor_bytes(torch, [*args, *local.get("kwargs", {}).values()])
+                first_arg = args[0] if isinstance(args, tuple) and args else None
                 chain.append(module)
         tb = tb.tb_next
     if not chain:
@@ -69,7 +73,26 @@ def forward_progress(tb) -> Progress | None:
     grads = 0
     if root.training:
         grads = _tensor_bytes(torch, [p for p in root.parameters() if p.requires_grad and p.grad is None])
-    return Progress(done / len(leaves), inputs, grads)
+    rest = None
+    if failing_leaves == [ids[done - 1]] and isinstance(first_arg, torch.Tensor):
+        from cuda_magic.recover.shapes import rest_bytes, sequential_only
+
+        try:
+            if sequential_only(root, torch):
+                rest = rest_bytes(leaves, done - 1, tuple(first_arg.shape), _element_size(first_arg, failing),
+                                  torch)
+        except (AttributeError, TypeError, ValueError, IndexError, ZeroDivisionError):
+            rest = None      # a layer that only looks like a common one: the retry extrapolates instead
+    return Progress(done / len(leaves), inputs, grads, rest)
+
+
+def _element_size(tensor, module) -> int:
+    """Bytes per element of the activations: the input's if it is floating point, else the layer's."""
+    if tensor.is_floating_point():
+        return tensor.element_size()
+    for p in module.parameters():
+        return p.element_size()
+    return 4
 
 
 def _tensor_bytes(torch, items) -> int:

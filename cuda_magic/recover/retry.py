@@ -14,9 +14,12 @@ linearly with the value, these predict the largest value that fits:
   low enough to fit even when the failing allocation came early in the cell, so that its peak is measured;
   `-r` (which keeps the first value that fits) predicts instead: when the failure came inside a
   `torch.nn.Module` call, the failing module's place among the model's leaf modules says how much of the
-  forward pass was done (recover/progress.py); what the failure held, less the model's input, is
-  extrapolated to the whole pass (the modules still to run taking what those before took), the gradients
-  the backward pass has still to allocate are added, and 88% of the value that fits in that is tried.
+  forward pass was done (recover/progress.py). For a chain of common layers (`nn.Sequential` all the way
+  down) the output sizes of the layers still to run follow from their settings (recover/shapes.py) and
+  are added to what the failure held, with one activation as large as the failing request for the
+  backward pass; otherwise what the failure held, less the model's input, is extrapolated to the whole
+  pass (the modules still to run taking what those before took). The gradients the backward pass has
+  still to allocate are added, and 88% of the value that fits in that is tried.
   Elsewhere (no module call in the traceback) it tries 88% of the bound, or 60% when the first failure came
   midway through the cell (the failing request less than half of what it needed);
 - one value fitted: its peak per unit predicts the maximum; the fixed part of the cell counted as per-unit
@@ -61,6 +64,7 @@ class Measured:
     progress: float | None = None         # share of the model's forward pass done when it failed
     input_bytes: int = 0                  # of that: the tensors the model was called with
     grads_to_come: int = 0                # gradients the backward pass still to come will allocate
+    rest_bytes: int | None = None         # what the layers after the failing one would allocate, if known
 
     @property
     def own_peak(self) -> int | None:
@@ -71,12 +75,17 @@ class Measured:
 
     @property
     def needed_estimate(self) -> int | None:
-        """What the whole training step would have held, extrapolated from the share of the forward pass
-        done: the modules still to run taking, per module, what those before took (the model's input
-        not counted again), and the gradients still to come (an estimate, not a bound)."""
+        """What the whole training step would have held (an estimate, not a bound): what the failure held,
+        the layers still to run (from their sizes for a chain of common layers, else extrapolated from the
+        share of the forward pass done: each module still to run taking what those before took, the
+        model's input not counted again), and the gradients still to come."""
         needed = self.needed_at_least
         if needed is None or not self.progress or not 0 < self.progress <= 1:
             return needed
+        if self.rest_bytes is not None:
+            # the layers still to run, from their sizes; the backward pass then holds, besides what the
+            # forward pass kept, the gradient of an activation about as large as the failing one
+            return needed + self.rest_bytes + self.grads_to_come + (self.requested or 0)
         inputs = min(self.input_bytes, needed)
         return int(inputs + (needed - inputs) / self.progress) + self.grads_to_come
 
@@ -151,17 +160,19 @@ class BatchSearch:
     def record(self, value: int, ok: bool, peak: int | None = None, requested: int | None = None,
                baseline: int | None = None, allocated_at_failure: int | None = None,
                capacity: int | None = None, progress: float | None = None, input_bytes: int = 0,
-               grads_to_come: int = 0) -> None:
+               grads_to_come: int = 0, rest_bytes: int | None = None) -> None:
         """What the run with `value` did; `capacity` updates the known capacity (e.g. from the message);
         `progress` the share of the model's forward pass a failed run had done, `input_bytes` the model's
-        input, `grads_to_come` the gradients its backward pass had still to allocate (recover/progress.py)."""
+        input, `grads_to_come` the gradients its backward pass had still to allocate, `rest_bytes` what the
+        layers after the failing one would allocate, where known (recover/progress.py)."""
         if value != self._pending:
             raise ValueError(f"record() got {value}, but the value to run was {self._pending}")
         if capacity is not None and capacity > 0:
             self.capacity = capacity
         reason, self._pending = self.reason, None
         self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
-                                     allocated_at_failure, self.capacity, progress, input_bytes, grads_to_come))
+                                     allocated_at_failure, self.capacity, progress, input_bytes, grads_to_come,
+                                     rest_bytes))
         self._check_independent()
 
     def _check_independent(self) -> None:
@@ -306,9 +317,11 @@ class BatchSearch:
             if m.progress is not None and 0 < m.progress <= 1:
                 estimate = int(m.value * available / m.needed_estimate)
                 value = int(estimate * PROGRESS_SHARE)
+                how = ("the layers still to run from their sizes" if m.rest_bytes is not None
+                       else "the rest extrapolated")
                 why = (f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
                        f"{format_bytes(m.needed_at_least)} held {m.progress:.0%} of the way through the model's "
-                       "forward pass")
+                       f"forward pass, {how}")
             else:
                 first = m is self.history[0]
                 share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
