@@ -68,3 +68,5 @@ def test_the_first_retry_fits_within_15_percent_of_the_largest(trainer):
         report = trainer.run_cell("%%oomguard -q -o -r bs\n" + CELL).result
         values = [a.value for a in report.attempts]
         assert len(values) == 2 and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)
+        # reading the failed frames' locals (which module failed, its input) kept nothing of that attempt
+        assert report.attempts[1].start_allocated == report.attempts[0].start_allocated
