@@ -344,11 +344,16 @@ def save_element_screenshot(locator, path: Path, *, pad_px: int = 8) -> Path:
     cuts text flush at its edges)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # an element a display update replaces (the classic Notebook redraws an output in a new node) can
-    # be gone between the scroll and the measure: measure again
-    for _ in range(10):
-        locator.scroll_into_view_if_needed()
-        box = locator.bounding_box()
+    from playwright.sync_api import Error
+
+    # an element a display update replaces (the classic Notebook redraws an output in a new node, 4 times
+    # a second for a live gauge) can go while it is scrolled to or measured: try again
+    for _ in range(20):
+        try:
+            locator.scroll_into_view_if_needed(timeout=2000)
+            box = locator.bounding_box(timeout=2000)
+        except Error:
+            box = None
         if box is not None:
             break
         locator.page.wait_for_timeout(50)

@@ -7,6 +7,7 @@ one set of checks for both, in the widget form and in the HTML form (what a kern
   report;
 - `%gpumem` after a model, an optimizer, a backward pass and a graph kept alive shows the by-kind bar with
   every kind;
+- `%gpumem --history` draws its chart (an inline SVG) of the cells `--watch` saw;
 - no live gauge thread is left once the cells have run.
 
 Screenshots go to CUDA_MAGIC_ARTIFACTS (default artifacts/browser), named `<front>-<form>-...png`.
@@ -31,7 +32,7 @@ def cells(form: str) -> list[str]:
         "%gpumem --live",
         # a later cell that allocates 1 MiB every 0.1 s for about 6 seconds: the gauge above follows it
         "keep = []\nfor i in range(60):\n    keep.append(torch.zeros(2**18))\n    time.sleep(0.1)",
-        "%gpumem --live off",
+        "%gpumem --live off\n%gpumem --watch",
         # the same under %%oomguard: its own gauge after about a second, then the report in its place
         "%%oomguard\nfor i in range(40):\n    keep.append(torch.zeros(2**18))\n    time.sleep(0.1)",
         "del keep\n"
@@ -46,6 +47,7 @@ def cells(form: str) -> list[str]:
         "    opt.step()\n"
         "kept = model(x).square().mean()\n"
         "%gpumem -n 3",
+        "%gpumem --history",
         "import threading\nprint('threads:', sorted(t.name for t in threading.enumerate()))",
     ]
 
@@ -105,5 +107,10 @@ def check_seeing(front, form: str, tmp_path: Path) -> None:
             segment = kinds.locator(f".cuda-magic-kinds-bar .cuda-magic-kind-{kind}").first
             assert segment.bounding_box()["width"] > 0, kind
         save_element_screenshot(kinds, Path(f"{shots}-by-kind.png"))
+        # the history of the two cells --watch saw (the guarded cell, the model's): allocated-after and peak
+        chart = page.locator(".cuda-magic-history-chart svg").last
+        lines = chart.locator("polyline")
+        assert lines.count() == 2 and all(lines.nth(i).bounding_box()["width"] > 0 for i in range(2))
+        save_element_screenshot(chart, Path(f"{shots}-history.png"))
         texts = "\n".join(page.locator(output).all_inner_texts())
         assert "threads:" in texts and "cuda_magic live gauge" not in texts
