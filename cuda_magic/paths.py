@@ -21,3 +21,8 @@ def is_cell_file(filename: str) -> bool:
     """The file IPython compiled a cell under: `<ipython-input-N-...>` (IPython's terminal and IPython 7),
     `.../ipykernel_PID/HASH.py` (ipykernel: Jupyter, VS Code, Colab)."""
     return filename.startswith("<ipython-input-") or _KERNEL_CELL.search(filename) is not None
+
+
+def is_cell_top_level(code_name: str | None) -> bool:
+    """A cell's own top-level code: `<module>`; IPython 7.34 on Python 3.11+ names it `<cell line: N>`."""
+    return bool(code_name) and code_name.startswith(("<module>", "<cell line"))

@@ -17,7 +17,7 @@ import sys
 import time
 from collections import deque
 
-from cuda_magic.paths import is_cell_file, is_library_file
+from cuda_magic.paths import is_cell_file, is_cell_top_level, is_library_file
 
 DEFAULT_MAX_EVENTS = 200_000      # about 20 MB of events at most; the alive set is separate and exact
 BEFORE = 0                        # the site of storages that existed before the recording started
@@ -166,8 +166,7 @@ class Recorder:
         the cell's file once found."""
         found = None
         for name, filename in frames:
-            # a cell's top level: `<module>`; IPython 7.34 on Python 3.11+ names it `<cell line: N>`
-            if (name == "<module>" or (name or "").startswith("<cell line")) and is_cell_file(filename):
+            if is_cell_top_level(name) and is_cell_file(filename):
                 found = filename
         if found is not None:
             self.cell_filename, self.find_cell = found, False

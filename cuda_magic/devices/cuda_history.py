@@ -150,7 +150,6 @@ class CudaHistory:
         self.snapshot = None       # the snapshot holds frames of every allocation: let it go
         return self.recorder
 
-
     def discard(self) -> None:
         """Stop recording without reading the history (the run fitted and nobody asked to see it)."""
         if self.started:

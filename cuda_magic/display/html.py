@@ -141,12 +141,8 @@ KIND_COLORS = {
 }
 
 
-def kinds_bar_html(kinds: dict[str, int]) -> str:
-    """A stacked bar of PyTorch's tensors by kind; the segments' widths add up to 100%."""
-    segments = kind_segments(kinds)
-    if not segments:
-        return ""
-    total = sum(b for _, b in segments)
+def _kinds_bar(segments: list[tuple[str, int]], total: int) -> str:
+    """A stacked bar of PyTorch's tensors by kind (`kind_segments`); the segments' widths add up to 100%."""
     divs = "".join(
         f'<div class="cuda-magic-kind-{k}" title="{escape(KIND_LABELS[k])}: {format_bytes(b)} '
         f'({100.0 * b / total:.1f}%)" style="width:{w}%;background:{KIND_COLORS[k]};height:100%"></div>'
@@ -167,7 +163,7 @@ def kinds_html(key: str, kinds: dict[str, int], title: str = "By kind") -> str:
         f'{100.0 * b / total:.1f}%</span></span>' for k, b in segments)
     return (f'<div class="cuda-magic-kinds" style="margin:6px 0 10px 0"><div><b>{escape(title)}</b> on '
             f'{escape(key)} <span style="{MUTED}">· {format_bytes(total)} in PyTorch\'s tensors</span></div>'
-            f'{kinds_bar_html(kinds)}<div class="cuda-magic-kinds-legend">{items}</div></div>')
+            f'{_kinds_bar(segments, total)}<div class="cuda-magic-kinds-legend">{items}</div></div>')
 
 
 def snapshot_kinds_html(snap) -> str:

@@ -9,6 +9,7 @@ from html import escape
 from cuda_magic.display.chart import PALETTE, Chart, Marker, Series, sparkline, svg
 from cuda_magic.display.html import CODE, MUTED, html_table
 from cuda_magic.display.text import shorten, table
+from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
 
 MAX_LINES = 8             # rows of the by-line table; the rest are summed in one row
@@ -45,7 +46,7 @@ def line_label(use) -> str:
     if use.filename is None and use.cell_line is None:
         return "before the run"
     where = use.where
-    if use.function and not use.in_cell and not use.function.startswith(("<module>", "<cell line")):
+    if use.function and not use.in_cell and not is_cell_top_level(use.function):
         where += f" ({use.function})"
     if use.cell_line is not None and not use.in_cell and use.filename is not None:
         where += f", cell line {use.cell_line}"

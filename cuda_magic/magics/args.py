@@ -23,12 +23,13 @@ def parse_size_arg(text, flag: str, capacity: int | None = None, *, allow_fracti
         raise UsageError(f"{flag}: {exc}") from None
 
 
-def parse_device(text: str, available: list[str]) -> str:
-    """The device key among `available` ('cuda:1', 'sim:0', 'cpu') that `-d text` names."""
-    from cuda_magic.devices.names import resolve_device
+def parse_device(text: str, available: list[str] | None = None) -> str:
+    """The device key among `available` ('cuda:1', 'sim:0', 'cpu'; the devices here when not given) that
+    `-d text` names."""
+    from cuda_magic.devices.names import present_devices, resolve_device
 
     try:
-        return resolve_device(text, available)
+        return resolve_device(text, present_devices() if available is None else available)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

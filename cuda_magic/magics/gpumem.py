@@ -137,9 +137,7 @@ class GpumemMagics(Magics):
             print("No live gauge here: it needs a notebook (a Jupyter kernel); terminal IPython shows none.")
             return None
         if device is not None:
-            from cuda_magic.devices.backends import read_devices
-
-            device = parse_device(device, [d.key for d in read_devices().devices])
+            device = parse_device(device)
         meter, _ = choose_meter(device)
         state.live = LiveGauge(GaugeReader(meter), own_view(), delay=0.0, across_cells=True).start()
         return None

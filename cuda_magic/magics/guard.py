@@ -7,7 +7,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from cuda_magic.magics.args import parse_args, parse_count, parse_size_arg
+from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_size_arg
 from cuda_magic.units import is_positive_int, is_unit
 
 
@@ -170,7 +170,7 @@ class GuardMagics(Magics):
 
         device = None
         if args.device is not None:
-            device = _check_device(args.device)
+            device = parse_device(args.device)
 
         def parse_limit(text, capacity):
             return parse_size_arg(text, "-l", capacity)
@@ -189,14 +189,6 @@ def _positive_int_variable(ns, name: str, flag: str) -> str:
     if not is_positive_int(value):
         raise UsageError(f"{flag} {name}: {name} must hold a positive int, not {value!r}")
     return name
-
-
-def _check_device(text: str) -> str:
-    from cuda_magic.devices.backends import read_devices
-    from cuda_magic.magics.args import parse_device
-
-    keys = [d.key for d in read_devices().devices]
-    return parse_device(text, keys)
 
 
 class GuardedCell:
