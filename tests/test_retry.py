@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cuda_magic.recover.progress import Progress
 from cuda_magic.recover.retry import BatchSearch, scale_accumulation
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -348,7 +349,7 @@ def drive_with_progress(model: CellMemory, start: int, *, known: bool = True) ->
                     break
                 total += size
             first = 3 if model.spike else 1                       # the per-unit outputs come after these
-            progress = (index - first + 1) / len(model.shares) if index >= first else None
+            progress = Progress((index - first + 1) / len(model.shares)) if index >= first else None
         policy.record(value, **run, progress=progress)
         value = policy.next()
     return policy
@@ -374,13 +375,13 @@ def test_the_sizes_of_the_layers_still_to_run_replace_the_extrapolation():
     """A failure early in a chain of layers whose later layers are smaller (a CNN after pooling): counting
     what those layers will allocate predicts far more than extrapolating what the first layers took."""
     capacity, baseline, v = 96 * MiB, 13 * MiB, 256
-    common = dict(peak=81 * MiB, requested=32 * MiB, baseline=baseline, allocated_at_failure=81 * MiB,
-                  progress=3 / 17, input_bytes=3 * MiB, grads_to_come=MiB)
+    common = dict(peak=81 * MiB, requested=32 * MiB, baseline=baseline, allocated_at_failure=81 * MiB)
     values = {}
     for rest in (None, 336 * MiB):
         policy = BatchSearch(v, 1, False, capacity)
         policy.first()
-        policy.record(v, False, **common, rest_bytes=rest)
+        policy.record(v, False, **common,
+                      progress=Progress(3 / 17, input_bytes=3 * MiB, grads_to_come=MiB, rest_bytes=rest))
         values[rest] = policy.next()
         assert ("from their sizes" in policy.reason) == (rest is not None)
     # what fits: (capacity - baseline) / (needed + rest + grads + one more activation) per unit

@@ -222,14 +222,10 @@ class GuardEngine:
                 ok = result.failure is None
                 if not ok:
                     self._failed(result)
-                where = result.failure.progress if result.failure else None
                 policy.record(value, ok, peak=result.attempt.peak, requested=result.attempt.requested,
                               baseline=result.attempt.start_allocated,
                               allocated_at_failure=result.failure.allocated if result.failure else None,
-                              progress=where.share if where else None,
-                              input_bytes=where.input_bytes if where else 0,
-                              grads_to_come=where.grads_to_come if where else 0,
-                              rest_bytes=where.rest_bytes if where else None,
+                              progress=result.failure.progress if result.failure else None,
                               capacity=result.failure.oom.capacity if result.failure and not self.limit else None)
                 following = policy.next()
                 if ok and (following is None and policy.best == value):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cuda_magic.recover.progress import Progress
 from cuda_magic.units import format_bytes
 
 RETRY_SHARE = 0.88   # -r: try this fraction of the largest value a failure leaves possible, when the
@@ -61,10 +62,7 @@ class Measured:
     baseline: int | None = None           # allocated before the cell ran
     allocated_at_failure: int | None = None
     capacity: int | None = None           # what the run could allocate in all, as known after it
-    progress: float | None = None         # share of the model's forward pass done when it failed
-    input_bytes: int = 0                  # of that: the tensors the model was called with
-    grads_to_come: int = 0                # gradients the backward pass still to come will allocate
-    rest_bytes: int | None = None         # what the layers after the failing one would allocate, if known
+    progress: Progress | None = None      # where in the model's forward pass it failed, if known
 
     @property
     def own_peak(self) -> int | None:
@@ -79,15 +77,20 @@ class Measured:
         the layers still to run (from their sizes for a chain of common layers, else extrapolated from the
         share of the forward pass done: each module still to run taking what those before took, the
         model's input not counted again), and the gradients still to come."""
-        needed = self.needed_at_least
-        if needed is None or not self.progress or not 0 < self.progress <= 1:
+        needed, where = self.needed_at_least, self.progress
+        if needed is None or not self.knows_progress:
             return needed
-        if self.rest_bytes is not None:
+        if where.rest_bytes is not None:
             # the layers still to run, from their sizes; the backward pass then holds, besides what the
             # forward pass kept, the gradient of an activation about as large as the failing one
-            return needed + self.rest_bytes + self.grads_to_come + (self.requested or 0)
-        inputs = min(self.input_bytes, needed)
-        return int(inputs + (needed - inputs) / self.progress) + self.grads_to_come
+            return needed + where.rest_bytes + where.grads_to_come + (self.requested or 0)
+        inputs = min(where.input_bytes, needed)
+        return int(inputs + (needed - inputs) / where.share) + where.grads_to_come
+
+    @property
+    def knows_progress(self) -> bool:
+        """Whether the failure came a known share of the way through the model's forward pass."""
+        return self.progress is not None and 0 < self.progress.share <= 1
 
     @property
     def needed_at_least(self) -> int | None:
@@ -96,6 +99,11 @@ class Measured:
             return None
         allocated = self.allocated_at_failure if self.allocated_at_failure is not None else self.baseline
         return self.requested + max(0, (allocated or 0) - (self.baseline or 0))
+
+
+def _share_of_bound(share: float, limit: int, m: Measured) -> str:
+    return (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
+            f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
 
 
 def divisors(n: int) -> list[int]:
@@ -159,20 +167,16 @@ class BatchSearch:
 
     def record(self, value: int, ok: bool, peak: int | None = None, requested: int | None = None,
                baseline: int | None = None, allocated_at_failure: int | None = None,
-               capacity: int | None = None, progress: float | None = None, input_bytes: int = 0,
-               grads_to_come: int = 0, rest_bytes: int | None = None) -> None:
+               capacity: int | None = None, progress: Progress | None = None) -> None:
         """What the run with `value` did; `capacity` updates the known capacity (e.g. from the message);
-        `progress` the share of the model's forward pass a failed run had done, `input_bytes` the model's
-        input, `grads_to_come` the gradients its backward pass had still to allocate, `rest_bytes` what the
-        layers after the failing one would allocate, where known (recover/progress.py)."""
+        `progress` where in the model's forward pass a failed run failed (recover/progress.py)."""
         if value != self._pending:
             raise ValueError(f"record() got {value}, but the value to run was {self._pending}")
         if capacity is not None and capacity > 0:
             self.capacity = capacity
         reason, self._pending = self.reason, None
         self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
-                                     allocated_at_failure, self.capacity, progress, input_bytes, grads_to_come,
-                                     rest_bytes))
+                                     allocated_at_failure, self.capacity, progress))
         self._check_independent()
 
     def _check_independent(self) -> None:
@@ -296,11 +300,14 @@ class BatchSearch:
             if limit is not None and limit < bound:
                 bound = limit
                 if not self.search:   # a later failure, at a smaller value, gets further into the cell
-                    first = m is self.history[0]
-                    share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
-                why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
-                       f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
+                    share = self._retry_share(m)
+                why = _share_of_bound(share, limit, m)
         return (int(bound * share) if bound < hi else hi // 2), why
+
+    def _retry_share(self, m: Measured) -> float:
+        """-r: the share of a failure's bound to try: less when the first failure came midway."""
+        first = m is self.history[0]
+        return MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
 
     def _predict_down(self, hi: int) -> tuple[int, str] | None:
         """-r: the smallest of the failures' predictions. A failure inside the model's forward pass, a
@@ -314,20 +321,17 @@ class BatchSearch:
             limit = self._failure_bound(m)
             if limit is None or limit >= hi:
                 continue
-            if m.progress is not None and 0 < m.progress <= 1:
+            if m.knows_progress:
                 estimate = int(m.value * available / m.needed_estimate)
                 value = int(estimate * PROGRESS_SHARE)
-                how = ("the layers still to run from their sizes" if m.rest_bytes is not None
+                how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
                        else "the rest extrapolated")
                 why = (f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
-                       f"{format_bytes(m.needed_at_least)} held {m.progress:.0%} of the way through the model's "
+                       f"{format_bytes(m.needed_at_least)} held {m.progress.share:.0%} of the way through the model's "
                        f"forward pass, {how}")
             else:
-                first = m is self.history[0]
-                share = MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
-                value = int(limit * share)
-                why = (f"{share:.0%} of {limit}, the most that the failure at {m.value} "
-                       f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
+                share = self._retry_share(m)
+                value, why = int(limit * share), _share_of_bound(share, limit, m)
             if best is None or value < best[0]:
                 best = (value, why)
         return best
