@@ -336,6 +336,11 @@ def _path_text(file) -> str | None:
     return None
 
 
+def _writes(mode) -> bool:
+    """Whether an `open` mode opens for writing (w, a, x or +)."""
+    return isinstance(mode, str) and any(c in mode for c in "wax+")
+
+
 class _WritesSeen:
     """While inside: `builtins.open` / `io.open`, `os.open` and `torch.save` are wrapped to note the paths
     opened for writing into `files`; on leaving (an exception and Ctrl-C included) the originals are put
@@ -358,7 +363,7 @@ class _WritesSeen:
         original_open, original_os_open = builtins.open, os.open
 
         def open(file, mode="r", *args, **kwargs):  # noqa: A001 - stands in for the builtin
-            if isinstance(mode, str) and any(c in mode for c in "wax+"):
+            if _writes(mode):
                 seen._note(file)
             return original_open(file, mode, *args, **kwargs)
 
@@ -374,7 +379,7 @@ class _WritesSeen:
             # IPython's own `open` in the user namespace (it refuses fds 0-2), bound to the original io.open
             def ipython_open(file, *args, **kwargs):
                 mode = kwargs.get("mode", args[0] if args else "r")
-                if isinstance(mode, str) and any(c in mode for c in "wax+"):
+                if _writes(mode):
                     seen._note(file)
                 return shell_open(file, *args, **kwargs)
 
