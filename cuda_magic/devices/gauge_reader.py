@@ -15,6 +15,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from cuda_magic.devices.meter import capacity_of
+from cuda_magic.devices.probe import cuda_started
+
 
 APPROXIMATE = ("cpu", "mps")      # peaks from readings (the OS's high-water mark, MPS's highest figure read)
 
@@ -51,15 +54,15 @@ class GaugeReader:
         self._nvml_total = None
         self._cuda = meter.key.startswith("cuda")
         # CUDA's capacity from device properties would start CUDA: read it once torch has (or from NVML)
-        self._capacity = None if self._cuda else _capacity(meter)
+        self._capacity = None if self._cuda else capacity_of(meter)
 
     def read(self) -> GaugeReading:
         now = time.monotonic()
         if self._cuda:
             allocated, reserved, peak = self._cuda_counters()
             other = self._other_processes(now)
-            if self._capacity is None and self.meter.torch.cuda.is_initialized():
-                self._capacity = _capacity(self.meter)
+            if self._capacity is None and cuda_started():
+                self._capacity = capacity_of(self.meter)
         else:
             allocated, reserved, peak = self.meter.allocated(), self.meter.reserved(), self.meter.peak()
             other = None
@@ -101,9 +104,3 @@ class GaugeReader:
             self._other = sum(used or 0 for pid, used in devices[index].processes if pid != me)
         return self._other
 
-
-def _capacity(meter) -> int | None:
-    try:
-        return meter.capacity()
-    except (RuntimeError, AssertionError, OSError):   # a capacity the backend cannot give
-        return None

@@ -262,6 +262,14 @@ def available_memory() -> int | None:
     return meminfo().get("MemAvailable")
 
 
+def capacity_of(meter) -> int | None:
+    """The meter's capacity, None where the backend cannot give one."""
+    try:
+        return meter.capacity()
+    except (AssertionError, RuntimeError, AttributeError, OSError):
+        return None
+
+
 def cuda_usable() -> bool:
     """Whether torch has a CUDA (or ROCm) device, asked without initialising the driver (no
     `is_available()`: a later fork would be unsafe)."""

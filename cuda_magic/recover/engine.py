@@ -12,8 +12,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from cuda_magic.recover.failure import (Failure, capacity_of, error_text, kind_of, read_failure,
-                                        release_failure)
+from cuda_magic.devices.meter import capacity_of
+from cuda_magic.recover.failure import Failure, error_text, kind_of, read_failure, release_failure
 from cuda_magic.recover.report import Attempt, GuardReport, Outcome, Retry
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
+from cuda_magic.devices.meter import capacity_of
 from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
 from cuda_magic.oom.records import OomFields
 from cuda_magic.paths import is_library_file
@@ -168,13 +169,6 @@ def meter_for_failure(fields: OomFields):
     except (ValueError, RuntimeError, AssertionError):
         meter, _ = choose_meter(None, None, None)
     return meter
-
-
-def capacity_of(meter) -> int | None:
-    try:
-        return meter.capacity()
-    except (AssertionError, RuntimeError, AttributeError, OSError):
-        return None
 
 
 def _read(counter) -> int | None:
