@@ -1,7 +1,7 @@
 """`-r`, `--search` and accelerate's `find_executable_batch_size` side by side on a training cell.
 
     .venv/bin/python bench/bench_retry_training.py [--start N ...] [--capacity 64MiB] [--steps 3]
-        [--cell mlp|cnn] [--methods r search accelerate] [--maximum N]
+        [--cell mlp|cnn|gpt] [--methods r search accelerate] [--maximum N]
 
 The cell: three optimizer steps (SGD with momentum) of an MLP with BatchNorm on random batches of `bs`
 rows, in a real IPython shell with `%gpumem --simulate 64MiB` on (every method runs on the same simulated
@@ -75,6 +75,51 @@ for step, (xb, yb) in enumerate(loader):
     x = xb.float().div_(255)
     loss = nn.functional.cross_entropy(model(x), yb)
     opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+# a small GPT with its own forward (embeddings, causal attention, Dropout, LayerNorm) trained with AdamW on
+# random tokens: no nn.Sequential chain, so its memory is known only by measuring it
+SETUP_GPT = SETUP.replace("""model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),
+                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)""",
+"""import torch.nn.functional as F
+V, T, D = 512, 64, 128
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D), nn.Dropout(0.1))
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, D))
+        return x + self.mlp(self.ln2(x))
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+model = GPT()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)""").replace('("x", "y", "loss", "xb", "yb", "loader")',
+                                                                 '("x", "y", "loss", "xb", "yb", "loader", "data", "logits")')
+
+CELL_GPT = """model.train()
+for step in range(STEPS):
+    data = torch.randint(0, V, (bs, T + 1))
+    x, y = data[:, :-1], data[:, 1:]
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
 """
@@ -205,6 +250,8 @@ CELLS = {
     "mlp": ("{steps} steps of SGD with momentum on an MLP with BatchNorm (256-1024-1024-10)", SETUP, CELL),
     "cnn": ("{steps} steps of SGD with momentum on a CNN with BatchNorm (4 conv blocks, 32x32x3 images) through "
             "a DataLoader built in the cell", SETUP_CNN, CELL_CNN),
+    "gpt": ("{steps} steps of AdamW on a small GPT with its own forward (4 blocks of causal attention, width 128, "
+            "64 tokens, vocabulary 512)", SETUP_GPT, CELL_GPT),
 }
 
 

@@ -190,10 +190,70 @@ def main(argv=None) -> int:
         report(bool(segments) == ("expandable_segments:True" in current_allocator_conf()),
                f"7. {said[:60]}...: {len(segments)} expandable segment(s) after, conf {current_allocator_conf()!r}")
 
+    def retry_training():
+        """-r on a training cell on the GPU under a 2 GiB cap: the first retry is predicted from the model
+        measured on slices of the failing batch (its pass sampled through a dispatch mode, the backward
+        pass on autograd's device thread): 2 runs, within 15% of the largest value that fits."""
+        ip.run_cell(TRAIN_SETUP)
+        cell = "%%oomguard -q -o --no-raise -l 2GiB{}\n" + TRAIN_CELL
+
+        def fits(value: int) -> bool:
+            ip.run_cell(f"reset()\nbs = {value}")
+            return ip.run_cell(cell.format("")).result.outcome == "ok"
+
+        lo, hi = 1, 8192
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        ip.run_cell(f"reset()\nbs = {2 * lo}")
+        rep = ip.run_cell(cell.format(" -r bs")).result
+        runs, final = len(rep.attempts), rep.final_value
+        why = rep.attempts[-1].reason if rep.attempts else ""
+        report(runs == 2 and final is not None and 0.85 * lo <= final <= lo,
+               f"8. -r from {2 * lo} on a CNN training cell under -l 2GiB: {runs} runs, bs={final} of the largest "
+               f"{lo} ({(final or 0) / lo:.1%}); why: {why}")
+        ip.run_cell("del model, opt, data\nreset = None")
+        torch.cuda.empty_cache()
+
     for name, fn in (("1", no_context), ("4", watch_first_cuda_cell), ("2", capacity_unchanged),
-                     ("3", figures_and_mapping), ("5", oom_under_cap), ("6", freecuda), ("7", expandable)):
+                     ("3", figures_and_mapping), ("5", oom_under_cap), ("6", freecuda), ("7", expandable),
+                     ("8", retry_training)):
         check(name, fn)
     return _finish(lines, args.out, 1 if failed else 0)
+
+
+TRAIN_SETUP = """
+import copy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                      nn.Conv2d(64, 128, 3, padding=1, bias=False), nn.BatchNorm2d(128), nn.ReLU(),
+                      nn.MaxPool2d(2), nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = TensorDataset(torch.randint(0, 256, (8192, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 10, (8192,)))
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+def reset():
+    for name in ("x", "xb", "yb", "loss", "loader"):
+        globals().pop(name, None)
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
+    for p in model.parameters():
+        p.grad = None
+"""
+
+TRAIN_CELL = """model.train()
+loader = DataLoader(data, batch_size=bs, shuffle=True)
+for step, (xb, yb) in enumerate(loader):
+    if step == 3:
+        break
+    x = xb.cuda().float().div_(255)
+    loss = nn.functional.cross_entropy(model(x), yb.cuda())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
 
 
 def _text(value) -> str:

@@ -523,3 +523,19 @@ def test_show_in_a_real_kernel_sends_the_widget_bundle(monkeypatch):
             assert fact in data["text/html"]
             if fact != "cuda-magic-bar":
                 assert fact in data["text/plain"]
+
+
+def test_why_the_value_kept_was_tried_is_said_in_both_forms():
+    """The retry policy's reason for the value it kept (issue 9: the prediction is explained), under the
+    value line; none while the cell runs, none without a changed value."""
+    report = guard_report()
+    report.attempts[2].reason = ("95% of 17, predicted from the model measured on 2 and 4 rows of the batch "
+                                 "that failed at 32 (64.00 MiB a row at its peak, 0.05 s)")
+    text = T.guard_text(report)
+    assert "why batch_size = 16: 95% of 17, predicted from the model measured on 2 and 4 rows" in text
+    assert max(map(len, text.splitlines())) <= 110
+    html = H.guard_html(report)
+    assert "why batch_size = 16: 95% of 17, predicted from the model measured" in html
+    assert "why batch_size" not in T.guard_text(report, running=True)
+    report.attempts[2].reason = ""
+    assert "why batch_size" not in T.guard_text(report)

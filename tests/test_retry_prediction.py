@@ -70,3 +70,117 @@ def test_the_first_retry_fits_within_15_percent_of_the_largest(trainer):
         assert len(values) == 2 and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)
         # reading the failed frames' locals (which module failed, its input) kept nothing of that attempt
         assert report.attempts[1].start_allocated == report.attempts[0].start_allocated
+
+
+# --- a model with its own forward, measured on slices of the failing batch (recover/replay.py) -------
+SETUP_RESIDUAL = """
+import copy
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.drop, self.head = nn.Dropout(0.2), nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        h = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(h)))
+        return self.head(self.drop(F.adaptive_avg_pool2d(x, 1).flatten(1)))
+
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = TensorDataset(torch.randint(0, 256, (1024, 3, 16, 16), dtype=torch.uint8), torch.randint(0, 10, (1024,)))
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state())
+
+def reset():
+    for name in ("x", "xb", "yb", "loss", "loader"):
+        globals().pop(name, None)
+    gc.collect()
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
+    for p in model.parameters():
+        p.grad = None
+    torch.set_rng_state(start[2])
+
+def fingerprint():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():      # copies kept by the test, not on the simulated GPU
+        return ([t.clone() for t in model.state_dict().values()]
+                + [t.clone() for s in opt.state.values() for t in s.values()])
+"""
+
+CELL_RESIDUAL = """model.train()
+loader = DataLoader(data, batch_size=bs, shuffle=True)
+for step, (xb, yb) in enumerate(loader):
+    if step == 3:
+        break
+    x = xb.float().div_(255)
+    loss = F.cross_entropy(model(x), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def largest(ip, cell: str, hi: int) -> int:
+    from cuda_magic import release
+
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        run_ok(ip, f"reset()\nbs = {mid}")
+        result = ip.run_cell(cell)
+        ok = result.success
+        del result
+        release(ip)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
+
+
+def test_a_model_with_its_own_forward_is_measured_and_the_first_retry_fits(tip):
+    """Issue 9: a residual CNN with BatchNorm and Dropout, AdamW, a DataLoader built in the cell, three
+    steps: from twice and four times the largest value, `-r` runs the cell twice and lands within 15% of
+    the largest (the model measured on slices of the failing batch), and the model and optimizer end
+    equal to one clean run at that value from the same start."""
+    tip.run_line_magic("gpumem", "--simulate 24MiB -q")
+    try:
+        run_ok(tip, SETUP_RESIDUAL)
+        maximum = largest(tip, CELL_RESIDUAL, 1024)
+        for start in (2 * maximum, 4 * maximum):
+            run_ok(tip, f"reset()\nbs = {start}")
+            report = tip.run_cell("%%oomguard -q -o -r bs\n" + CELL_RESIDUAL).result
+            values = [a.value for a in report.attempts]
+            assert len(values) == 2 and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)
+            assert "predicted from the model measured on" in report.attempts[1].reason
+            after = tip.user_ns["fingerprint"]()
+            run_ok(tip, f"reset()\nbs = {report.final_value}")
+            run_ok(tip, CELL_RESIDUAL)
+            clean = tip.user_ns["fingerprint"]()
+            assert len(after) == len(clean) and all(torch_equal(a, b) for a, b in zip(after, clean))
+    finally:
+        tip.run_line_magic("gpumem", "--simulate off -q")
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_batch_that_is_not_the_value_is_not_measured(trainer):
+    """The model's batch is a quarter of `bs` (rows reshaped): slices of it say nothing per unit of `bs`,
+    so the prediction is the forward pass's share, as for a model that cannot be measured."""
+    cell = CELL.replace("x = torch.randn(bs, 64)", "x = torch.randn(bs // 4 * 4, 16).view(bs // 4, 64)").replace(
+        "(bs,)", "(bs // 4,)")
+    run_ok(trainer, "reset()\nbs = 32768")
+    report = trainer.run_cell("%%oomguard -q -o -r bs\n" + cell).result
+    assert report.final_value is not None and report.final_value < 32768
+    assert "of the way through the model's forward pass" in report.attempts[1].reason
+    assert "measured" not in report.attempts[1].reason

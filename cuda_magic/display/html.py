@@ -15,7 +15,7 @@ from cuda_magic.reprs import render
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
                                        percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
-                                       hidden_tensors, oom_items, oom_title, guard_title, value_words,
+                                       hidden_tensors, oom_items, oom_title, guard_title, value_words, value_reason,
                                        reclaimed_words, attempt_rows, attempt_headers, watch_line)
 
 COLORS = {
@@ -303,6 +303,9 @@ def guard_title_html(report, running: bool = False) -> str:
     words = value_words(report)
     limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
     sub = f'<div>{escape(words)}</div>' if words else ""
+    why = value_reason(report)
+    if why and not running:
+        sub += f'<div style="{MUTED}">{escape(why)}</div>'
     return f'<div style="font-weight:600;color:{color}">{escape(guard_title(report, running))}{limit}</div>{sub}'
 
 

@@ -165,6 +165,18 @@ def value_words(report) -> str | None:
     return words
 
 
+def value_reason(report) -> str | None:
+    """Why the retry tried the value it kept ('bs = 2092: 95% of 2203, predicted from ...'); None without a
+    retry that changed the value."""
+    final = report.final_value
+    if not report.variable or final is None or final == report.original_value:
+        return None
+    for attempt in reversed(report.attempts):
+        if attempt.value == final and attempt.reason:
+            return f"why {report.variable} = {final}: {attempt.reason}"
+    return None
+
+
 def reclaimed_words(report) -> str:
     keep_going = "" if report.api else " The kernel can keep going: no restart needed."
     if not report.reclaimed:

@@ -11,7 +11,7 @@ from cuda_magic.devices.records import PART_LABELS, PARTS
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_WORDS, MAX_ADVICE,
                                        bar_segments, bar_total, split_cells, in_use, peak_words, tensor_name,
                                        short_dtype, shape_text, hidden_tensors, oom_items, oom_title,
-                                       guard_title, value_words, reclaimed_words, attempt_rows,
+                                       guard_title, value_words, value_reason, reclaimed_words, attempt_rows,
                                        attempt_headers)
 from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
@@ -226,6 +226,9 @@ def guard_text(report, running: bool = False) -> str:
     words = value_words(report)
     if words:
         lines.append(words)
+    why = value_reason(report)
+    if why and not running:
+        lines += textwrap.wrap(why, 100, subsequent_indent="  ")
     if report.failure is not None:
         f = report.failure
         inside = f" (inside {f.function}" + (f" in {f.filename}" if f.filename else "") + ")" if f.function else ""

@@ -68,6 +68,7 @@ class GuardEngine:
         self.roots = roots
         self.on_attempt = on_attempt or (lambda attempt: None)
         self.on_note = on_note or (lambda text: None)
+        self.why = ""                   # why the value about to run was chosen (the retry policy's words)
 
     # one run ------------------------------------------------------------------------------------
     async def run_once(self, call, value=None, *, undo=None) -> RunResult:
@@ -123,6 +124,7 @@ class GuardEngine:
         return RunResult(self._record(attempt), failure=failure)
 
     def _record(self, attempt: Attempt) -> Attempt:
+        attempt.reason = self.why
         self.report.attempts.append(attempt)
         self.on_attempt(attempt)
         return attempt
@@ -209,6 +211,7 @@ class GuardEngine:
         try:
             while value is not None:
                 self._apply(value)
+                self.why = policy.reason
                 with checkpoint.watching():
                     result = await self.run_once(call, value, undo=checkpoint.restore)
                 if result.error is not None:
@@ -220,12 +223,14 @@ class GuardEngine:
                     report.not_undone = checkpoint.not_undone()
                     return None, result.error
                 ok = result.failure is None
+                progress = None
                 if not ok:
                     self._failed(result)
+                    progress = self._measured(result.failure, value, checkpoint, spec)
                 policy.record(value, ok, peak=result.attempt.peak, requested=result.attempt.requested,
                               baseline=result.attempt.start_allocated,
                               allocated_at_failure=result.failure.allocated if result.failure else None,
-                              progress=result.failure.progress if result.failure else None,
+                              progress=progress,
                               capacity=result.failure.oom.capacity if result.failure and not self.limit else None)
                 following = policy.next()
                 if ok and (following is None and policy.best == value):
@@ -239,6 +244,7 @@ class GuardEngine:
                     following = policy.best            # the real run at the value found
                     self.on_note(f"running the cell at {spec.variable}={following}, the value found")
                     self._apply(following)
+                    self.why = "the largest value the probes found to fit"
                     with checkpoint.watching():
                         result = await self.run_once(call, following)
                     if result.error is not None:
@@ -277,6 +283,25 @@ class GuardEngine:
             retry.final_accumulate = int(values[spec.accumulate])
         report.outcome = Outcome.RECOVERED if final != retry.original else Outcome.OK
         return out, None
+
+    def _measured(self, failure: Failure, value, checkpoint, spec: RetrySpec):
+        """-r after a failure inside the model: its progress with the model measured on slices of the
+        failing batch (recover/replay.py), where that batch is the value retried and the checkpoint holds
+        the model (what the measuring changes is then restored with the failed attempt's undoing)."""
+        progress, replay, failure.replay = failure.progress, failure.replay, None
+        if (replay is None or progress is None or spec.search or replay.rows != value
+                or not checkpoint.holds(replay.root)):
+            return progress
+        from dataclasses import replace
+
+        try:
+            with self.meter.running(self.limit), autocast(self.amp, self.meter):
+                cost = replay.measure(self.meter)
+        finally:
+            del replay
+            checkpoint.restore()
+            collect_freed()
+        return progress if cost is None else replace(progress, cost=cost)
 
     # variables ----------------------------------------------------------------------------------
     def _apply(self, value) -> None:

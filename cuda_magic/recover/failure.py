@@ -27,7 +27,8 @@ from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
 
 @dataclass
 class Failure:
-    """What an out-of-memory error said, copied out of it: holds no frame and no tensor."""
+    """What an out-of-memory error said, copied out of it: holds no frame and no tensor (but `replay`, the
+    model and its input, which a retry takes out at once)."""
 
     oom: OomFields
     point: FailurePoint | None
@@ -35,6 +36,8 @@ class Failure:
     reserved: int | None           # reserved then: what a clean-up gives back is measured against it
     by_kind: dict[str, int] | None = None   # the device's tensors by kind then (memory.kinds)
     progress: object = None        # where in the model's forward pass it failed (recover.progress.Progress)
+    replay: object = None          # what to measure the model with (recover.replay.Replay): holds the
+                                   # model's input, so the retry takes it and drops it once measured
 
 
 def kind_of(exc: BaseException) -> Outcome:
@@ -93,12 +96,13 @@ def read_failure(exc: BaseException, meter, *, filename: str | None = None,
     """Step 1, inside the `except` block: plain values only (the failed run's tensors are still alive: what
     they are, by kind, is counted now). `progress`: also how far through the model's forward pass it came
     (for a retry's prediction)."""
-    from cuda_magic.recover.progress import forward_progress
+    from cuda_magic.recover.replay import read_model_calls
 
     allocated = _read(meter.allocated)
+    where, replay = read_model_calls(exc.__traceback__) if progress else (None, None)
     return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
                    allocated=allocated, reserved=_read(meter.reserved), by_kind=kinds_at_failure(meter, allocated),
-                   progress=forward_progress(exc.__traceback__) if progress else None)
+                   progress=where, replay=replay)
 
 
 def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:

@@ -27,6 +27,104 @@ class Progress:
                                   # the backward pass still to come will allocate this much
     rest_bytes: int | None = None  # what the layers after the failing one will allocate, where the model
                                    # is a chain of layers whose output sizes are known (recover/shapes.py)
+    cost: ModelCost | None = None  # the model's memory measured on slices of its input (recover/replay.py)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the model's forward and backward pass take, measured after the failure on two slices of the
+    failing batch (recover/replay.py), and the optimizer state and gradients around it. Int bytes; a
+    quantity per row is a float (the fit of two measured sizes)."""
+
+    rows: int                     # rows of the batch the model failed on
+    lines: tuple                  # (fixed, per_row): the memory in use at the moments of the pass that can
+                                  # be its peak, each a line in the rows (a moment in the backward pass
+                                  # holds the gradients whatever the batch, the end of the forward pass
+                                  # mostly rows); the pass's peak above its start is their maximum
+    forward_lines: tuple = ()     # (fixed, per_row) of the moments of the forward pass, measured without
+                                  # gradients: ...
+    grads_in_forward: int = 0     # ... which a cell may keep through it (zeroed between the forward and
+                                  # the backward pass, or accumulated): these bytes are added to them
+    entries: tuple = ()           # (fixed, per_row) allocated from the model's call to each call of the
+                                  # failing module: what the failure held of the model's own memory
+    fixed_held: int = 0           # gradients and optimizer state the attempt had allocated when it failed
+    state_to_come: int = 0        # optimizer state the optimizer's first step will allocate
+    probe_rows: tuple = ()        # the slices measured (rows)
+    seconds: float = 0.0          # what measuring them took
+
+    def peak(self, rows: float) -> float:
+        """The pass's peak above what was allocated before it, for a batch of `rows`."""
+        return max(f + r * rows for f, r in self._all_lines())
+
+    def per_row(self, rows: float) -> float:
+        """The bytes a row adds at the moment that is the peak for a batch of `rows`."""
+        return max(self._all_lines(), key=lambda line: line[0] + line[1] * rows)[1]
+
+    def _all_lines(self) -> list:
+        return [*self.lines, *((f + self.grads_in_forward, r) for f, r in self.forward_lines)]
+
+    def held_by_model(self, rows: int, held: int) -> int:
+        """Of `held` bytes at the failure, the model's own activations: the latest call of the failing
+        module consistent with what was held."""
+        fits = [int(f + r * rows) for f, r in self.entries if 0 <= f + r * rows <= held]
+        return max(fits, default=0)
+
+
+@dataclass
+class ModuleCalls:
+    """The module calls a traceback went through, outermost first, and what the outermost (the model)
+    and the innermost (the failing module) were called with. Holds the frames' objects: read it inside
+    the `except` block and drop it there, or keep only what a replay needs (recover/replay.py)."""
+
+    chain: list
+    args: tuple
+    kwargs: dict
+    first_arg: object = None        # the failing module's first argument
+    frames: list = None             # the traceback's frames, outermost first
+
+    @property
+    def root(self):
+        return self.chain[0]
+
+    @property
+    def failing(self):
+        return self.chain[-1]
+
+
+def module_calls(tb, torch) -> ModuleCalls | None:
+    """The `torch.nn.Module` calls on the traceback's frames; None when it went through none."""
+    module_class = torch.nn.Module
+    call_codes = {getattr(module_class, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
+                  if hasattr(getattr(module_class, name, None), "__code__")}
+    chain, root_args, root_kwargs, first_arg, frames = [], (), {}, None, []
+    while tb is not None:
+        frame = tb.tb_frame
+        frames.append(frame)
+        if frame.f_code in call_codes:
+            local = frame.f_locals
+            module = local.get("self")
+            if isinstance(module, module_class) and (not chain or chain[-1] is not module):
+                args = local.get("args", ())
+                args = args if isinstance(args, tuple) else ()
+                if not chain:
+                    root_args, root_kwargs = args, dict(local.get("kwargs", None) or {})
+                first_arg = args[0] if args else None
+                chain.append(module)
+        tb = tb.tb_next
+    if not chain:
+        return None
+    return ModuleCalls(chain, root_args, root_kwargs, first_arg, frames)
+
+
+def leaf_modules(root) -> list | None:
+    """The model's leaf modules in registration order; None past MAX_LEAVES."""
+    leaves = []
+    for module in root.modules():
+        if next(iter(module.children()), None) is None:
+            leaves.append(module)
+            if len(leaves) > MAX_LEAVES:
+                return None
+    return leaves
 
 
 def forward_progress(tb) -> Progress | None:
@@ -37,32 +135,16 @@ def forward_progress(tb) -> Progress | None:
     torch = loaded_torch()
     if torch is None or tb is None:
         return None
-    module_class = torch.nn.Module
-    call_codes = {getattr(module_class, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
-                  if hasattr(getattr(module_class, name, None), "__code__")}
-    chain, inputs, first_arg = [], 0, None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code in call_codes:
-            local = frame.f_locals
-            module = local.get("self")
-            if isinstance(module, module_class) and (not chain or chain[-1] is not module):
-                args = local.get("args", ())
-                if not chain:
-                    inputs = _tensor_bytes(torch, [*args, *local.get("kwargs", {}).values()])
-                first_arg = args[0] if isinstance(args, tuple) and args else None
-                chain.append(module)
-        tb = tb.tb_next
-    if not chain:
+    calls = module_calls(tb, torch)
+    if calls is None:
         return None
-    root, failing = chain[0], chain[-1]
-    leaves = []
-    for module in root.modules():
-        if next(iter(module.children()), None) is None:
-            leaves.append(module)
-            if len(leaves) > MAX_LEAVES:
-                return None
-    if len(leaves) < 2:
+    return progress_of(calls, torch)
+
+
+def progress_of(calls: ModuleCalls, torch) -> Progress | None:
+    root, failing, first_arg = calls.root, calls.failing, calls.first_arg
+    leaves = leaf_modules(root)
+    if leaves is None or len(leaves) < 2:
         return None
     ids = [id(m) for m in leaves]
     failing_leaves = [id(m) for m in failing.modules() if next(iter(m.children()), None) is None]
@@ -70,6 +152,7 @@ def forward_progress(tb) -> Progress | None:
         return None
     # a container that failed between its children's calls: count its leaves as done (an upper bound)
     done = ids.index(failing_leaves[-1]) + 1
+    inputs = _tensor_bytes(torch, [*calls.args, *calls.kwargs.values()])
     grads = 0
     if root.training:
         grads = _tensor_bytes(torch, [p for p in root.parameters() if p.requires_grad and p.grad is None])

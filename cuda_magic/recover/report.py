@@ -43,6 +43,7 @@ class Attempt:
     start_allocated: int | None = None    # allocated bytes on the device when the attempt started
     reclaimed: int | None = None          # bytes the clean-up after this attempt gave back
     probe: bool = False                   # a --search probe: rolled back even though it fitted
+    reason: str = ""                      # why this value was tried (the retry policy's words)
 
     def __post_init__(self):
         self.outcome = Outcome(self.outcome)

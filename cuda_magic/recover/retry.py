@@ -12,7 +12,10 @@ linearly with the value, these predict the largest value that fits:
 - nothing fitted yet: a failure at v that needed at least N of the C - B available bounds the maximum by
   v * (C - B) / N; `--search` tries a quarter of that bound (plain halving when nothing was measured),
   low enough to fit even when the failing allocation came early in the cell, so that its peak is measured;
-  `-r` (which keeps the first value that fits) predicts instead: when the failure came inside a
+  `-r` (which keeps the first value that fits) predicts instead. Where the model was measured on slices
+  of the batch it failed on (recover/replay.py: its pass's memory at each moment as a line in the rows),
+  the largest value whose pass, optimizer state to come and share of the rest of what the failure held
+  fit in what is available is found, and 95% of it tried. Otherwise, when the failure came inside a
   `torch.nn.Module` call, the failing module's place among the model's leaf modules says how much of the
   forward pass was done (recover/progress.py). For a chain of common layers (`nn.Sequential` all the way
   down) the output sizes of the layers still to run follow from their settings (recover/shapes.py) and
@@ -43,7 +46,10 @@ MIDWAY_SHARE = 0.6   # ... and this one when it failed midway (many allocations,
                      # the bound then overestimates by what the rest of the cell would have taken
 PROGRESS_SHARE = 0.88  # -r: try this fraction of the value predicted from a failure inside the model's
                        # forward pass, extrapolated from the share of it done (recover/progress.py)
-REPEAT_SHARE = 0.6   # -r, after more than one failure: at most this fraction of the smallest value that failed
+MEASURED_SHARE = 0.95  # -r: ... and this one of the value predicted from the model measured on slices
+                       # of the failing batch (recover/replay.py): what remains unknown is the cell's own
+REPEAT_SHARE = 0.6   # -r, after more than one failure (the last not measured, recover/replay.py): at most
+                     # this fraction of the smallest value that failed
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
 MARGIN = 0.025       # predictions aim this fraction below the predicted maximum, so that they fit
 DESCENT = 0.25       # nothing fitted yet: try this fraction of the largest value a failure leaves possible
@@ -86,6 +92,29 @@ class Measured:
             return needed + where.rest_bytes + where.grads_to_come + (self.requested or 0)
         inputs = min(where.input_bytes, needed)
         return int(inputs + (needed - inputs) / where.share) + where.grads_to_come
+
+    def measured_max(self, available: int) -> int | None:
+        """The largest value predicted to fit in `available` bytes from the model measured on slices of the
+        failing batch (recover/replay.py), where that batch is the value: the model's pass, per row and
+        fixed, the optimizer state its first step will allocate, and the rest of what the failure held
+        (the batch, labels, what earlier steps left) taken to grow with the value."""
+        cost = self.progress.cost if self.progress is not None else None
+        if cost is None or cost.rows != self.value or self.needed_at_least is None:
+            return None
+        held = self.needed_at_least - (self.requested or 0)
+        besides = max(0, held - cost.fixed_held)
+        other = (besides - cost.held_by_model(self.value, besides)) / self.value
+
+        def fits(u: int) -> bool:
+            return cost.state_to_come + other * u + cost.peak(u) <= available
+
+        if not fits(1):
+            return None
+        lo, hi = 1, self.value        # it failed at the value: the largest that fits is below it
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     @property
     def knows_progress(self) -> bool:
@@ -285,7 +314,8 @@ class BatchSearch:
             return None, f"the floor {self.floor} ran out of memory"
         value, why = (self._predict_down(hi) if not self.search else None) or self._descend(hi)
         failures = sum(not m.ok for m in self.history)
-        if not self.search and failures > 1 and value > int(hi * REPEAT_SHARE):
+        measured = self.history[-1].progress is not None and self.history[-1].progress.cost is not None
+        if not self.search and failures > 1 and not measured and value > int(hi * REPEAT_SHARE):
             value, why = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed"
         value = min(value, hi - 1)
         if value < self.floor:
@@ -321,7 +351,14 @@ class BatchSearch:
             limit = self._failure_bound(m)
             if limit is None or limit >= hi:
                 continue
-            if m.knows_progress:
+            measured = m.measured_max(available) if m.knows_progress else None
+            if measured is not None:
+                cost = m.progress.cost
+                value = int(measured * MEASURED_SHARE)
+                why = (f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
+                       f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
+                       f"({format_bytes(int(cost.per_row(measured)))} a row at its peak, {cost.seconds:.2f} s)")
+            elif m.knows_progress:
                 estimate = int(m.value * available / m.needed_estimate)
                 value = int(estimate * PROGRESS_SHARE)
                 how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None

@@ -107,6 +107,15 @@ class Checkpoint:
         self.files += self._attempt_files          # what an undone attempt wrote stays written
         self._attempt_files = []
 
+    def holds(self, module) -> bool:
+        """Whether `restore()` puts back the state of `module` (kept itself, or inside a kept module)."""
+        torch = loaded_torch()
+        for _, obj, _ in self.states:
+            if obj is module or (torch is not None and isinstance(obj, torch.nn.Module)
+                                 and any(m is module for m in obj.modules())):
+                return True
+        return False
+
     def watching(self):
         """A context manager around one attempt: the files it opens for writing are noted, and named by
         `not_undone()` if the attempt is then undone (`restore()`); the run that stands is not named."""

@@ -1,0 +1,321 @@
+"""Measuring the model after a failure inside its forward pass, for `-r`'s prediction (recover/retry.py).
+
+One failure says what the cell held when it failed, not how much more its model would have taken. When
+the failure came inside a model call whose batch (the first dimension of its input) is the value retried,
+the model is run again, after the failure's memory is given back, on two small slices of that same batch
+(a thirty-second and a sixteenth of its rows), forward and backward as in training (the loss a log-softmax
+of its outputs, as a classification or language-model loss takes, or its own scalar loss where it returns
+one), and the device's exact peak is read for each: two points of a line that gives the model's memory per
+row and the part that does not grow with the batch (the parameter gradients). A hook on the failing
+module reads what the model had allocated when it got there, so that the rest of what the failure held
+(the batch itself, labels, what earlier steps left) is known too. The optimizers that hold the model's
+parameters (found in the failing frames' namespaces) say what state their first step will allocate.
+
+These runs are not runs of the cell and change nothing that stays: the parameters' gradients are put
+aside and back, and the guard restores the model's state (BatchNorm's statistics) and the random
+generators from its checkpoint afterwards (recover/rollback.py); it replays only a model that checkpoint
+holds. Not replayed: a model compiled with `torch.compile` or wrapped for several devices or processes.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+from cuda_magic.devices.probe import loaded_torch
+from cuda_magic.oom.classify import oom_kind
+from cuda_magic.recover.progress import ModelCost, Progress, module_calls, progress_of
+
+SLICE = 32         # the smaller slice is this fraction of the failing batch's rows; the larger twice it
+MIN_ROWS = 2       # BatchNorm in training needs more than one value per channel
+#: optimizer state per parameter byte, by optimizer class (the buffers its first step allocates); a
+#: momentum adds one more; an optimizer not named here is taken to keep two
+STATE_PER_PARAMETER = {"SGD": 0, "LBFGS": 0, "Adagrad": 1, "RMSprop": 1, "ASGD": 1, "Adafactor": 1,
+                       "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2,
+                       "Rprop": 2, "SparseAdam": 2}
+_WRAPPERS = ("torch.nn.parallel", "torch.distributed", "torch._dynamo")
+
+
+@dataclass
+class Replay:
+    """What the failed attempt called its model with, kept from the traceback until measured; holds the
+    model's input (not what the model allocated): drop it after `measure`."""
+
+    root: object
+    failing: object
+    args: tuple
+    kwargs: dict
+    rows: int                   # the batch's rows: the first dimension of the model's first input tensor
+    optimizers: list
+    grads_at_failure: int       # bytes of the model's parameter gradients when it failed
+    state_at_failure: int       # bytes of its optimizers' state then
+
+    def measure(self, meter) -> ModelCost | None:
+        """Run the model on two slices of the batch and fit its memory; None where it cannot be measured
+        (a slice ran out of memory down to MIN_ROWS, or the model did not take a slice)."""
+        torch = loaded_torch()
+        grads_start = _grad_bytes(self.root)
+        rows = max(MIN_ROWS, self.rows // SLICE)
+        t0 = time.perf_counter()
+        while 2 * rows < self.rows:
+            try:
+                small = self._run(rows, meter, torch)
+                large = self._run(2 * rows, meter, torch)
+            except Exception as exc:  # noqa: BLE001 - the model may raise anything on a slice
+                if oom_kind(exc) not in ("oom", "possible"):
+                    return None        # a model that needs its whole batch (a fixed shape): not measured
+                del exc
+                gc.collect()
+                rows //= 4
+                if rows < MIN_ROWS:
+                    return None
+                continue
+            break
+        else:
+            return None
+        per_row = (large.peak - small.peak) / rows
+        lines = [(small.peak - per_row * rows, per_row)]          # the peaks' own line
+        forward_lines = []
+        if len(small.samples) == len(large.samples) and small.backward_from == large.backward_from:
+            moments = [(a - (b - a), (b - a) / rows) for a, b in zip(small.samples, large.samples)]
+            lines += envelope(moments[small.backward_from:], self.rows)
+            forward_lines = envelope(moments[:small.backward_from], self.rows)
+        entries = ()
+        if len(small.entries) == len(large.entries):
+            entries = tuple((a - (b - a), (b - a) / rows) for a, b in zip(small.entries, large.entries))
+        state_now = _state_bytes(self.optimizers, self._device(), torch)
+        fixed_held = (max(0, self.grads_at_failure - grads_start)
+                      + max(0, self.state_at_failure - state_now))
+        # the gradients are alive in the forward pass where they were when it failed, and unless the
+        # optimizer has stepped in this attempt with none left (zeroed before the forward pass), may be
+        stepped_without = self.grads_at_failure == 0 and self.state_at_failure > state_now
+        full = _full_state(self.optimizers, self._device(), torch)
+        return ModelCost(rows=self.rows, lines=tuple(lines), forward_lines=tuple(forward_lines),
+                         grads_in_forward=0 if stepped_without else _trainable_bytes(self.root),
+                         entries=entries, fixed_held=fixed_held,
+                         state_to_come=max(0, max(full, self.state_at_failure) - state_now),
+                         probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0)
+
+    def _device(self):
+        for p in self.root.parameters():
+            return p.device
+        return None
+
+    def _run(self, rows: int, meter, torch) -> Pass:
+        """One pass on the first `rows` rows, measured above what was allocated before it."""
+        params = list(self.root.parameters())
+        kept = [p.grad for p in params]
+        done = Pass()
+        before = meter.allocated() or 0
+
+        def at_entry(module, args):
+            done.entries.append((meter.allocated() or 0) - before)
+
+        args, kwargs = _sliced(self.args, rows, self.rows, torch), _sliced(self.kwargs, rows, self.rows, torch)
+        handle = self.failing.register_forward_pre_hook(at_entry)
+        try:
+            for p in params:
+                p.grad = None          # as after zero_grad(): the pass allocates the gradients
+            meter.reset_peak()
+            before = meter.allocated() or 0
+            training = self.root.training
+            with torch.enable_grad() if training else torch.no_grad(), _sampling(meter, before, done.samples):
+                out = self.root(*args, **kwargs)
+                loss = _loss(out, torch) if training else None
+                del out
+                done.backward_from = len(done.samples)
+                if loss is not None:
+                    loss.backward()
+                del loss
+            done.peak = (meter.peak() or 0) - before
+            return done
+        finally:
+            handle.remove()
+            for p, grad in zip(params, kept):
+                p.grad = grad
+
+
+@dataclass
+class Pass:
+    """One measured pass: bytes above what was allocated before it."""
+
+    peak: int = 0
+    samples: list = field(default_factory=list)     # after each operation
+    backward_from: int = 0                          # the first sample of the backward pass
+    entries: list = field(default_factory=list)     # at each entry into the failing module
+
+
+def envelope(lines, rows: int, points: int = 64) -> list:
+    """Of (fixed, per_row) lines, those that are the highest somewhere between no rows and twice `rows`:
+    the moments that can be the pass's peak."""
+    chosen = {}
+    if not lines:
+        return []
+    for j in range(points + 1):
+        x = 2 * rows * j / points
+        best = max(lines, key=lambda line: line[0] + line[1] * x)
+        chosen[best] = None
+    return list(chosen)
+
+
+def _sampling(meter, before: int, samples: list):
+    """A dispatch mode that notes the memory allocated after each operation (forward and backward): two
+    slices' notes, side by side, give each moment's memory as a line in the rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sampling(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            samples.append((meter.allocated() or 0) - before)
+            return out
+
+    return Sampling()
+
+
+def read_model_calls(tb) -> tuple[Progress | None, Replay | None]:
+    """Inside the `except` block of an OOM: how far through the model's forward pass it came
+    (recover/progress.py) and what to replay the model with; (None, None) outside a module call."""
+    torch = loaded_torch()
+    if torch is None or tb is None:
+        return None, None
+    calls = module_calls(tb, torch)
+    if calls is None:
+        return None, None
+    progress = progress_of(calls, torch)
+    replay = replay_of(calls, torch) if progress is not None else None
+    calls.frames = None
+    return progress, replay
+
+
+def replay_of(calls, torch) -> Replay | None:
+    root = calls.root
+    if type(root).__module__.startswith(_WRAPPERS) or type(root).__name__ == "OptimizedModule":
+        return None
+    rows = _rows([*calls.args, *calls.kwargs.values()], torch)
+    if rows is None or rows < 4 * MIN_ROWS:
+        return None
+    optimizers = _optimizers(calls.frames or [], root, torch)
+    device = next((p.device for p in root.parameters()), None)
+    return Replay(root, calls.failing, calls.args, calls.kwargs, rows, optimizers, _grad_bytes(root),
+                  _state_bytes(optimizers, device, torch))
+
+
+def _flat(items) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            out.extend(item)
+        elif isinstance(item, dict):
+            out.extend(item.values())
+        else:
+            out.append(item)
+    return out
+
+
+def _rows(items, torch) -> int | None:
+    for t in _flat(items):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return int(t.shape[0])
+    return None
+
+
+def _sliced(tree, rows: int, total: int, torch):
+    """The first `rows` rows of every tensor whose first dimension is the batch, one level into lists,
+    tuples and dicts (views: no new memory; detached, so that no backward pass reaches the graph that made
+    them); other values as they are."""
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == total:
+            return v[:rows].detach()
+        return v
+
+    if isinstance(tree, dict):
+        return {k: (type(v)(cut(x) for x in v) if isinstance(v, (list, tuple)) else cut(v)) for k, v in tree.items()}
+    return tuple(type(v)(cut(x) for x in v) if isinstance(v, (list, tuple)) else cut(v) for v in tree)
+
+
+def _loss(out, torch):
+    """A scalar to run backward from: the model's own scalar loss where it returns one (a language model
+    given labels), else a log-softmax of each output that needs gradients, with the memory a
+    classification loss (cross-entropy) takes in both passes."""
+    tensors = []
+    items = [out]
+    for _ in range(3):            # a tensor, a tuple of them, a dict or ModelOutput of them
+        nxt = []
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+            elif isinstance(item, dict):
+                nxt.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                nxt.extend(item)
+        items = nxt
+    grads = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+    for t in grads:
+        if t.numel() == 1:
+            return t.reshape(())
+    loss = None
+    for t in grads:
+        if t.dim() >= 1:
+            scores = torch.log_softmax(t, dim=-1)
+            # a classification loss's backward pass gives the log-probabilities a gradient as large as
+            # they are (a sum's is one number, broadcast): made so here
+            scores.register_hook(lambda grad: grad.contiguous())
+            part = scores.sum()
+        else:
+            part = t.sum()
+        loss = part if loss is None else loss + part
+    return loss
+
+
+def _grad_bytes(root) -> int:
+    return sum(p.grad.untyped_storage().nbytes() for p in root.parameters() if p.grad is not None)
+
+
+def _trainable_bytes(root) -> int:
+    """What the gradients of the model's trainable parameters take."""
+    return sum(p.numel() * p.element_size() for p in root.parameters() if p.requires_grad)
+
+
+def _optimizers(frames, root, torch) -> list:
+    """The optimizers over the model's parameters bound to a name in the failing frames' namespaces."""
+    ids = {id(p) for p in root.parameters()}
+    found, seen_ns = {}, set()
+    for frame in frames:
+        for ns in (frame.f_globals, frame.f_locals):
+            if id(ns) in seen_ns:
+                continue
+            seen_ns.add(id(ns))
+            for value in list(ns.values()):
+                if (isinstance(value, torch.optim.Optimizer) and id(value) not in found
+                        and any(id(p) in ids for g in value.param_groups for p in g["params"])):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _state_bytes(optimizers, device, torch) -> int:
+    seen, total = set(), 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.numel() > 1 and (device is None or t.device == device):
+                    key = t.untyped_storage().data_ptr()
+                    if key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+    return total
+
+
+def _full_state(optimizers, device, torch) -> int:
+    """What the optimizers' state will take once they have stepped: STATE_PER_PARAMETER times the bytes of
+    the parameters they train (those on the model's device)."""
+    total = 0
+    for opt in optimizers:
+        groups = opt.param_groups
+        per = STATE_PER_PARAMETER.get(type(opt).__name__, 2)
+        if any(g.get("momentum") for g in groups) and type(opt).__name__ in ("SGD", "RMSprop"):
+            per += 1
+        if any(g.get("amsgrad") for g in groups):
+            per += 1
+        total += per * sum(p.numel() * p.element_size() for g in groups for p in g["params"]
+                           if p.requires_grad and (device is None or p.device == device))
+    return total
