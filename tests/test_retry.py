@@ -1,16 +1,16 @@
 """The batch-size retry policy, driven by a memory model of a cell (pure: no torch, no IPython)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuda_magic.recover.progress import Progress
+from cuda_magic.recover.progress import ModelCost, Progress
 from cuda_magic.recover.retry import BatchSearch, scale_accumulation
 
-GiB, MiB = 1 << 30, 1 << 20
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 
 @dataclass
@@ -387,3 +387,52 @@ def test_the_sizes_of_the_layers_still_to_run_replace_the_extrapolation():
     # what fits: (capacity - baseline) / (needed + rest + grads + one more activation) per unit
     assert values[336 * MiB] == int(0.88 * int(v * 83 * MiB / ((100 + 336 + 1 + 32) * MiB)))
     assert values[336 * MiB] > 1.1 * values[None]
+
+
+# --- -r with the model measured on slices of the failing batch (recover/replay.py) --------------------
+def measured_policy(cost, value: int = 1000) -> BatchSearch:
+    """A failure at `value` on a 64 MiB device with 10 MiB before the cell, 50 MiB held, 8 MiB asked."""
+    policy = BatchSearch(value, 1, False, 64 * MiB)
+    policy.first()
+    policy.record(value, False, peak=60 * MiB, requested=8 * MiB, baseline=10 * MiB,
+                  allocated_at_failure=60 * MiB, progress=Progress(0.5, cost=cost))
+    return policy
+
+
+def test_the_measured_model_predicts_the_largest_value_whose_pass_fits():
+    """54 MiB available. At the failure the model held 40 KiB a row of the 50 MiB (its entry line), so the
+    rest, 11.2 KiB a unit, is the cell's own; the pass peaks at 2 MiB + 60 KiB a row (above 4 MiB +
+    50 KiB a row from 205 rows on), and the optimizer will add 4 MiB: 6 MiB + 71.2 KiB x u <= 54 MiB up to
+    u = 690, and 95% of it is tried."""
+    cost = ModelCost(rows=1000, lines=((2 * MiB, 60 * KiB),), forward_lines=((0, 50 * KiB),),
+                     grads_in_forward=4 * MiB, entries=((0, 40 * KiB),), state_to_come=4 * MiB,
+                     probe_rows=(31, 62), seconds=0.1)
+    policy = measured_policy(cost)
+    assert policy.next() == int(690 * 0.95)
+    assert policy.reason.startswith("95% of 690, predicted from the model measured on 31 and 62 rows")
+    # without knowing what the model held at the failure, all 50 MiB count as the cell's own, per unit:
+    # 6 MiB + 111.2 KiB x u <= 54 MiB up to 442
+    assert measured_policy(replace(cost, entries=())).next() == int(442 * 0.95)
+    # gradients and optimizer state the attempt had allocated are not the cell's per-unit memory
+    held = measured_policy(replace(cost, entries=(), fixed_held=10 * MiB)).next()
+    assert held > int(442 * 0.95)
+
+
+def test_a_measured_batch_that_is_not_the_value_is_not_used():
+    cost = ModelCost(rows=250, lines=((2 * MiB, 60 * KiB),), entries=((0, 40 * KiB),), probe_rows=(7, 14))
+    policy = measured_policy(cost)
+    value = policy.next()
+    assert "measured" not in policy.reason and value < 1000
+
+
+def test_after_a_measured_prediction_fails_the_next_is_measured_again_not_cut_to_60_percent():
+    """A second failure that was measured predicts the next value itself (the 60% cut is for failures that
+    say nothing better)."""
+    cost = ModelCost(rows=1000, lines=((2 * MiB, 60 * KiB),), entries=((0, 40 * KiB),), probe_rows=(31, 62))
+    policy = measured_policy(cost)
+    second = policy.next()
+    cost2 = replace(cost, rows=second, probe_rows=(20, 40))
+    policy.record(second, False, peak=63 * MiB, requested=4 * MiB, baseline=10 * MiB,
+                  allocated_at_failure=61 * MiB, progress=Progress(0.9, cost=cost2))
+    third = policy.next()
+    assert "measured" in policy.reason and int(0.6 * second) < third < second

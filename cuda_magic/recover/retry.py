@@ -47,7 +47,9 @@ MIDWAY_SHARE = 0.6   # ... and this one when it failed midway (many allocations,
 PROGRESS_SHARE = 0.88  # -r: try this fraction of the value predicted from a failure inside the model's
                        # forward pass, extrapolated from the share of it done (recover/progress.py)
 MEASURED_SHARE = 0.95  # -r: ... and this one of the value predicted from the model measured on slices
-                       # of the failing batch (recover/replay.py): what remains unknown is the cell's own
+                       # of the failing batch (recover/replay.py): what remains unknown is what the cell
+                       # holds besides the model in later steps (a previous step's outputs still bound)
+                       # and, on a GPU, the allocator's rounding
 REPEAT_SHARE = 0.6   # -r, after more than one failure (the last not measured, recover/replay.py): at most
                      # this fraction of the smallest value that failed
 GOAL = 0.95          # settle once the best value is at least this fraction of the largest that can fit
