@@ -184,3 +184,57 @@ def test_a_batch_that_is_not_the_value_is_not_measured(trainer):
     assert report.final_value is not None and report.final_value < 32768
     assert "of the way through the model's forward pass" in report.attempts[1].reason
     assert "measured" not in report.attempts[1].reason
+
+
+# --- gradients kept through the pass: accumulation over micro-batches ---------------------------------
+SETUP_ACCUMULATING = """
+import copy
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+def train_step(batch_size, accum_steps):
+    opt.zero_grad(set_to_none=True)
+    for _ in range(accum_steps):
+        x = torch.randn(batch_size, 256)
+        y = torch.randint(0, 10, (batch_size,))
+        loss = nn.functional.cross_entropy(model(x), y) / accum_steps
+        loss.backward()
+    opt.step()
+    return loss.item()
+
+train_step(64, 1)          # the optimizer's state exists, as after any earlier training
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+def reset():
+    for name in ("loss",):
+        globals().pop(name, None)
+    gc.collect()
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
+    for p in model.parameters():
+        p.grad = None
+"""
+
+
+@pytest.mark.parametrize("flags, runs", [("-a accum_steps", 2), ("", 3)])
+def test_gradients_accumulated_over_micro_batches_are_counted_through_the_pass(tip, flags, runs):
+    """With `-a`, the gradients of the first micro-batch are there through the next one's whole pass, and
+    the first retry counts them: 2 runs. Without `-a` (the cell accumulates on its own), the first
+    prediction leaves them out of the backward pass and may not fit; the next counts them: 3 runs. Both
+    within 15% of the largest value that fits."""
+    cell = "loss = train_step(bs, accum_steps)\n"
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    try:
+        run_ok(tip, SETUP_ACCUMULATING + "\naccum_steps = 2\n")
+        maximum = largest(tip, cell, 8192)
+        run_ok(tip, f"reset()\nbs = {4 * maximum}\naccum_steps = 2")
+        report = tip.run_cell(f"%%oomguard -q -o -r bs {flags}\n" + cell).result
+        values = [a.value for a in report.attempts]
+        assert len(values) == runs and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)
+        assert "the gradients kept through the pass" in report.attempts[-1].reason
+        # the optimizer's state (there before the cell) was put back after each failure, once the
+        # failure's memory was given back: loading it while the failure held the device ran out of memory
+        assert report.not_undone == []
+    finally:
+        tip.run_line_magic("gpumem", "--simulate off -q")

@@ -168,6 +168,28 @@ def test_storages_made_before_are_not_counted(torch_warm):
     del before
 
 
+def test_deep_copies_and_loaded_states_are_counted(ledger):
+    """copy.deepcopy makes its storage outside the dispatcher (UntypedStorage(n), then set_): a copy of a
+    model's or an optimizer's state is device memory on a GPU, and counts here too, until freed."""
+    import copy
+
+    with SimulatedDevice(1 << 30) as dev:
+        model = torch.nn.Linear(256, 1024)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()
+        before = dev.allocated
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        # the weights, exp_avg and exp_avg_sq, and the two step counters (one-element tensors)
+        assert dev.allocated == before + 3 * (256 * 1024 + 1024) * 4 + 2 * 4
+        opt.load_state_dict(copy.deepcopy(saved[1]))
+        ledger.check(dev)
+        del saved
+        ledger.check(dev)
+        del model, opt
+    gc.collect()
+
+
 def test_stop_keeps_giving_back_and_inactive_creation_is_not_counted(torch_warm):
     dev = SimulatedDevice(1 << 20).start()
     t = torch.zeros(100)

@@ -42,7 +42,11 @@ def _get_mode_class():
 
     meta = torch.device("meta")
     tensor_type = torch.Tensor
-    lift_fresh = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+    # tensors over a storage made outside the dispatcher: a tensor literal's data, lifted; a storage that
+    # copy.deepcopy, torch.load or UntypedStorage(n) made, wrapped by set_ (a deep copy of a state dict
+    # is device memory on a GPU too)
+    lift_fresh = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
+                  torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
     schemas: dict = {}      # op -> (fresh per return, any fresh, has a device argument, lifted)
 
     def to_meta(x):
@@ -249,7 +253,7 @@ class SimulatedDevice:
                 with self._lock:
                     known = self._live.get(key)
                     if known is None:
-                        if not (is_fresh or lifted):
+                        if not (is_fresh or lifted) or (lifted and key in _host_only):
                             continue  # a view or in-place result of a storage made before we started
                         self._live[key] = nbytes
                         self.allocated += nbytes

@@ -72,8 +72,8 @@ class GuardEngine:
 
     # one run ------------------------------------------------------------------------------------
     async def run_once(self, call, value=None, *, undo=None) -> RunResult:
-        """Run and measure. On an OOM: copy out what it says, `undo()` the attempt, then free what the
-        failure held. KeyboardInterrupt is recorded and propagates. A call marked `is_async` (a cell with
+        """Run and measure. On an OOM: copy out what it says, `undo()` (the names the attempt bound), then
+        free what the failure held. KeyboardInterrupt is recorded and propagates. A call marked `is_async` (a cell with
         top-level `await`) returns an awaitable, awaited here."""
         __tracebackhide__ = True  # noqa: F841
         meter = self.meter
@@ -205,7 +205,8 @@ class GuardEngine:
 
             allowed = divisors(retry.original * retry.original_accumulate)
         policy = BatchSearch(retry.original, spec.floor, spec.search,
-                             capacity=self.limit or capacity_of(self.meter), allowed=allowed)
+                             capacity=self.limit or capacity_of(self.meter), allowed=allowed,
+                             accumulating=spec.accumulate is not None)
         value = policy.first()
         kept = None                              # the run whose effects stand: (value, call's value)
         try:
@@ -213,7 +214,7 @@ class GuardEngine:
                 self._apply(value)
                 self.why = policy.reason
                 with checkpoint.watching():
-                    result = await self.run_once(call, value, undo=checkpoint.restore)
+                    result = await self.run_once(call, value, undo=checkpoint.restore_bindings)
                 if result.error is not None:
                     self._restore_values()
                     report.outcome = Outcome.ERROR
@@ -285,10 +286,12 @@ class GuardEngine:
         return out, None
 
     def _measured(self, failure: Failure, value, checkpoint, spec: RetrySpec):
-        """-r after a failure inside the model: its progress with the model measured on slices of the
-        failing batch (recover/replay.py), where that batch is the value retried and the checkpoint holds
-        the model (what the measuring changes is then restored with the failed attempt's undoing)."""
+        """After a failed attempt whose memory is given back: undo it, and with -r after a failure inside
+        the model, measure the model on slices of the failing batch (recover/replay.py), where that batch
+        is the value retried and the checkpoint holds the model (what the measuring changes is undone the
+        same way); the failure's progress, with the measure where taken."""
         progress, replay, failure.replay = failure.progress, failure.replay, None
+        checkpoint.restore()       # the states, now that the failure's memory is back (its names: done)
         if (replay is None or progress is None or spec.search or replay.rows != value
                 or not checkpoint.holds(replay.root)):
             return progress

@@ -45,6 +45,10 @@ class ModelCost:
                                   # gradients: ...
     grads_in_forward: int = 0     # ... which a cell may keep through it (zeroed between the forward and
                                   # the backward pass, or accumulated): these bytes are added to them
+    kept_lines: tuple = ()        # the backward pass's moments with all the gradients there from its
+                                  # start (accumulated over micro-batches, or never set to None), not only
+                                  # those computed so far; used with `kept=True`
+    grads: int = 0                # what the gradients of the trainable parameters take
     entries: tuple = ()           # (fixed, per_row) allocated from the model's call to each call of the
                                   # failing module: what the failure held of the model's own memory
     fixed_held: int = 0           # gradients and optimizer state the attempt had allocated when it failed
@@ -52,16 +56,19 @@ class ModelCost:
     probe_rows: tuple = ()        # the slices measured (rows)
     seconds: float = 0.0          # what measuring them took
 
-    def peak(self, rows: float) -> float:
-        """The pass's peak above what was allocated before it, for a batch of `rows`."""
-        return max(f + r * rows for f, r in self._all_lines())
+    def peak(self, rows: float, kept: bool = False) -> float:
+        """The pass's peak above what was allocated before it, for a batch of `rows`; `kept`: with the
+        gradients there through the whole pass (gradient accumulation)."""
+        return max(f + r * rows for f, r in self._all_lines(kept))
 
-    def per_row(self, rows: float) -> float:
+    def per_row(self, rows: float, kept: bool = False) -> float:
         """The bytes a row adds at the moment that is the peak for a batch of `rows`."""
-        return max(self._all_lines(), key=lambda line: line[0] + line[1] * rows)[1]
+        return max(self._all_lines(kept), key=lambda line: line[0] + line[1] * rows)[1]
 
-    def _all_lines(self) -> list:
-        return [*self.lines, *((f + self.grads_in_forward, r) for f, r in self.forward_lines)]
+    def _all_lines(self, kept: bool) -> list:
+        grads = self.grads if kept else self.grads_in_forward
+        return [*self.lines, *((f + grads, r) for f, r in self.forward_lines),
+                *(self.kept_lines if kept else ())]
 
     def held_by_model(self, rows: int, held: int) -> int:
         """Of `held` bytes at the failure, the model's own activations: the latest call of the failing

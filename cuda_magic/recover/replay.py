@@ -75,11 +75,16 @@ class Replay:
             return None
         per_row = (large.peak - small.peak) / rows
         lines = [(small.peak - per_row * rows, per_row)]          # the peaks' own line
-        forward_lines = []
+        forward_lines, kept_lines = [], []
+        grads = _trainable_bytes(self.root)
         if len(small.samples) == len(large.samples) and small.backward_from == large.backward_from:
             moments = [(a - (b - a), (b - a) / rows) for a, b in zip(small.samples, large.samples)]
             lines += envelope(moments[small.backward_from:], self.rows)
             forward_lines = envelope(moments[:small.backward_from], self.rows)
+            # the same moments with all the gradients there, not only those the pass had made by then
+            kept_lines = envelope([(f - g + grads, r) for (f, r), g in
+                                   zip(moments[small.backward_from:], large.grads[small.backward_from:])],
+                                  self.rows)
         entries = ()
         if len(small.entries) == len(large.entries):
             entries = tuple((a - (b - a), (b - a) / rows) for a, b in zip(small.entries, large.entries))
@@ -91,7 +96,8 @@ class Replay:
         stepped_without = self.grads_at_failure == 0 and self.state_at_failure > state_now
         full = _full_state(self.optimizers, self._device(), torch)
         return ModelCost(rows=self.rows, lines=tuple(lines), forward_lines=tuple(forward_lines),
-                         grads_in_forward=0 if stepped_without else _trainable_bytes(self.root),
+                         grads_in_forward=0 if stepped_without else grads, kept_lines=tuple(kept_lines),
+                         grads=grads,
                          entries=entries, fixed_held=fixed_held,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
                          probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0)
@@ -119,7 +125,8 @@ class Replay:
             meter.reset_peak()
             before = meter.allocated() or 0
             training = self.root.training
-            with torch.enable_grad() if training else torch.no_grad(), _sampling(meter, before, done.samples):
+            with (torch.enable_grad() if training else torch.no_grad(),
+                  _sampling(meter, before, done, [p for p in params if p.requires_grad])):
                 out = self.root(*args, **kwargs)
                 loss = _loss(out, torch) if training else None
                 del out
@@ -141,6 +148,7 @@ class Pass:
 
     peak: int = 0
     samples: list = field(default_factory=list)     # after each operation
+    grads: list = field(default_factory=list)       # ... of which the parameters' gradients
     backward_from: int = 0                          # the first sample of the backward pass
     entries: list = field(default_factory=list)     # at each entry into the failing module
 
@@ -158,15 +166,19 @@ def envelope(lines, rows: int, points: int = 64) -> list:
     return list(chosen)
 
 
-def _sampling(meter, before: int, samples: list):
-    """A dispatch mode that notes the memory allocated after each operation (forward and backward): two
-    slices' notes, side by side, give each moment's memory as a line in the rows."""
+def _sampling(meter, before: int, done: Pass, params: list):
+    """A dispatch mode that notes the memory allocated after each operation (forward and backward), and the
+    parameters' gradients in it: two slices' notes, side by side, give each moment's memory as a line in
+    the rows."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    samples, grads = done.samples, done.grads
 
     class Sampling(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             samples.append((meter.allocated() or 0) - before)
+            grads.append(sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None))
             return out
 
     return Sampling()

@@ -95,7 +95,7 @@ class Measured:
         inputs = min(where.input_bytes, needed)
         return int(inputs + (needed - inputs) / where.share) + where.grads_to_come
 
-    def measured_max(self, available: int) -> int | None:
+    def measured_max(self, available: int, kept: bool = False) -> int | None:
         """The largest value predicted to fit in `available` bytes from the model measured on slices of the
         failing batch (recover/replay.py), where that batch is the value: the model's pass, per row and
         fixed, the optimizer state its first step will allocate, and the rest of what the failure held
@@ -108,7 +108,7 @@ class Measured:
         other = (besides - cost.held_by_model(self.value, besides)) / self.value
 
         def fits(u: int) -> bool:
-            return cost.state_to_come + other * u + cost.peak(u) <= available
+            return cost.state_to_come + other * u + cost.peak(u, kept) <= available
 
         if not fits(1):
             return None
@@ -168,7 +168,7 @@ class BatchSearch:
 
     def __init__(self, start: int, floor: int = 1, search: bool = False, capacity: int | None = None,
                  *, max_attempts: int = MAX_ATTEMPTS, goal: float = GOAL, margin: float = MARGIN,
-                 descent: float = DESCENT, allowed: list[int] | None = None):
+                 descent: float = DESCENT, allowed: list[int] | None = None, accumulating: bool = False):
         for name, number in (("start", start), ("floor", floor)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"{name} must be a positive integer, not {number!r}")
@@ -185,6 +185,10 @@ class BatchSearch:
         self._pending: int | None = None
         self._done = False
         self.independent = False          # the memory did not change with the value: stopped
+        # -a: the gradients are kept from micro-batch to micro-batch, through whole passes; also taken so
+        # once a value predicted from a measured model has failed
+        self.accumulating = accumulating
+        self._measured_values: set[int] = set()
         # --exact: only these values (the divisors of the effective batch) are tried
         self.allowed = sorted(set(allowed)) if allowed is not None else None
         if self.allowed is not None and start not in self.allowed:
@@ -314,14 +318,18 @@ class BatchSearch:
     def _go_down(self, hi: int) -> tuple[int | None, str]:
         if hi <= self.floor:
             return None, f"the floor {self.floor} ran out of memory"
-        value, why = (self._predict_down(hi) if not self.search else None) or self._descend(hi)
+        value, why, measured = (self._predict_down(hi) if not self.search else None) or (*self._descend(hi), False)
         failures = sum(not m.ok for m in self.history)
-        measured = self.history[-1].progress is not None and self.history[-1].progress.cost is not None
-        if not self.search and failures > 1 and not measured and value > int(hi * REPEAT_SHARE):
-            value, why = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed"
+        # a prediction from a measured model below every value that failed is kept; any other after more
+        # than one failure is cut to REPEAT_SHARE
+        trusted = measured and value < hi
+        if not self.search and failures > 1 and not trusted and value > int(hi * REPEAT_SHARE):
+            value, why, measured = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed", False
         value = min(value, hi - 1)
         if value < self.floor:
             return self.floor, f"the floor {self.floor} (--min)"
+        if measured:
+            self._measured_values.add(value)
         return value, why or f"halved from {hi}"
 
     def _descend(self, hi: int) -> tuple[int, str]:
@@ -341,26 +349,36 @@ class BatchSearch:
         first = m is self.history[0]
         return MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
 
-    def _predict_down(self, hi: int) -> tuple[int, str] | None:
-        """-r: the smallest of the failures' predictions. A failure inside the model's forward pass, a
-        known share of the way through it, predicts from the whole pass extrapolated (the modules still
-        to run taking what those before took); other failures give the bound with a share as before."""
+    def _predict_down(self, hi: int) -> tuple[int, str, bool] | None:
+        """-r: (value, reason, whether from a measured model). A failure whose model was measured on slices
+        of its batch (recover/replay.py) predicts the largest value that fits, and 95% of it is tried, at
+        most what the other failures leave possible; without one, the smallest of the other predictions: a
+        failure inside the model's forward pass, a known share of the way through it, predicts from the
+        whole pass extrapolated (the modules still to run taking what those before took); other failures
+        give their bound with a share."""
         available = self._available()
         if available is None:
             return None
-        best = None
+        # the gradients through the whole pass: with -a, or once a measured prediction did not fit
+        kept = self.accumulating or any(not m.ok and m.value in self._measured_values for m in self.history)
+        measured_best, best, bounds = None, None, []
         for m in self.history:
-            limit = self._failure_bound(m)
-            if limit is None or limit >= hi:
-                continue
-            measured = m.measured_max(available) if m.knows_progress else None
+            measured = m.measured_max(available, kept) if m.knows_progress else None
             if measured is not None:
                 cost = m.progress.cost
                 value = int(measured * MEASURED_SHARE)
                 why = (f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
                        f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
-                       f"({format_bytes(int(cost.per_row(measured)))} a row at its peak, {cost.seconds:.2f} s)")
-            elif m.knows_progress:
+                       f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
+                       + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f} s)")
+                if measured_best is None or value < measured_best[0]:
+                    measured_best = (value, why, True)
+                continue
+            limit = self._failure_bound(m)
+            if limit is None or limit >= hi:
+                continue      # a failure at a value far above the others: its bound says nothing more
+            bounds.append((limit, m))
+            if m.knows_progress:
                 estimate = int(m.value * available / m.needed_estimate)
                 value = int(estimate * PROGRESS_SHARE)
                 how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
@@ -372,8 +390,15 @@ class BatchSearch:
                 share = self._retry_share(m)
                 value, why = int(limit * share), _share_of_bound(share, limit, m)
             if best is None or value < best[0]:
-                best = (value, why)
-        return best
+                best = (value, why, False)
+        if measured_best is None:
+            return best
+        value, why, _ = measured_best
+        for limit, m in bounds:
+            if limit < value:
+                value, why = limit, (f"{limit}, the most that the failure at {m.value} leaves possible (it needed at "
+                                     f"least {format_bytes(m.needed_at_least)}), below {why}")
+        return value, why, True
 
     def _go_up(self, best: int, hi: int) -> tuple[int | None, str]:
         available = self._available()

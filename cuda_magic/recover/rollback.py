@@ -87,8 +87,9 @@ class Checkpoint:
         return items
 
     # restoring ----------------------------------------------------------------------------------
-    def restore(self) -> None:
-        """Undo what the attempt since `take()` did that can be undone."""
+    def restore_bindings(self) -> None:
+        """Put the namespace's names back as they were (which frees what the attempt bound): first, while
+        a failure still holds its memory; `restore()` does the rest once it is given back."""
         ns = self.namespace
         if ns is not None and self.bindings is not None:
             for name in [k for k in ns if k not in self.bindings and k not in self.keep]:
@@ -96,6 +97,11 @@ class Checkpoint:
             for name, value in self.bindings.items():
                 if name not in self.keep and ns.get(name, _MISSING) is not value:
                     ns[name] = value
+
+    def restore(self) -> None:
+        """Undo what the attempt since `take()` did that can be undone. The states are loaded as fresh
+        copies on the device: after a failure, call it once the failure's memory is given back."""
+        self.restore_bindings()
         for name, obj, state in self.states:
             try:
                 load_state(obj, state)
