@@ -28,8 +28,10 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),
                       nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-START = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state(),
-         random.getstate())
+from torch.utils._python_dispatch import _disable_current_modes
+with _disable_current_modes():      # the benchmark's copy of the start, not on the simulated GPU
+    START = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state(),
+             random.getstate())
 
 def reset():
     for name in ("x", "y", "loss", "xb", "yb", "loader"):          # the previous run's batch and graph: not part of the start

@@ -186,7 +186,15 @@ def test_deep_copies_and_loaded_states_are_counted(ledger):
         ledger.check(dev)
         del saved
         ledger.check(dev)
-        del model, opt
+        import io
+
+        file = io.BytesIO()
+        torch.save(model.state_dict(), file)
+        file.seek(0)
+        before = dev.allocated
+        loaded = torch.load(file)                       # storages read from the file, then set_
+        assert dev.allocated == before + (256 * 1024 + 1024) * 4
+        del loaded, model, opt
     gc.collect()
 
 
