@@ -166,7 +166,7 @@ def value_words(report) -> str | None:
 
 
 def value_reason(report) -> str | None:
-    """Why the retry tried the value it kept ('bs = 2092: 95% of 2203, predicted from ...'); None without a
+    """Why the retry tried the value it kept ('why bs = 2092: 95% of 2203, predicted from ...'); None without a
     retry that changed the value."""
     final = report.final_value
     if not report.variable or final is None or final == report.original_value:

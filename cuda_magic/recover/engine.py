@@ -73,8 +73,8 @@ class GuardEngine:
     # one run ------------------------------------------------------------------------------------
     async def run_once(self, call, value=None, *, undo=None) -> RunResult:
         """Run and measure. On an OOM: copy out what it says, `undo()` (the names the attempt bound), then
-        free what the failure held. KeyboardInterrupt is recorded and propagates. A call marked `is_async` (a cell with
-        top-level `await`) returns an awaitable, awaited here."""
+        free what the failure held. KeyboardInterrupt is recorded and propagates. A call marked `is_async`
+        (a cell with top-level `await`) returns an awaitable, awaited here."""
         __tracebackhide__ = True  # noqa: F841
         meter = self.meter
         start = meter.allocated()
@@ -227,7 +227,7 @@ class GuardEngine:
                 progress = None
                 if not ok:
                     self._failed(result)
-                    progress = self._measured(result.failure, value, checkpoint, spec)
+                    progress = self._undo_failed(result.failure, value, checkpoint, spec)
                 policy.record(value, ok, peak=result.attempt.peak, requested=result.attempt.requested,
                               baseline=result.attempt.start_allocated,
                               allocated_at_failure=result.failure.allocated if result.failure else None,
@@ -285,7 +285,7 @@ class GuardEngine:
         report.outcome = Outcome.RECOVERED if final != retry.original else Outcome.OK
         return out, None
 
-    def _measured(self, failure: Failure, value, checkpoint, spec: RetrySpec):
+    def _undo_failed(self, failure: Failure, value, checkpoint, spec: RetrySpec):
         """After a failed attempt whose memory is given back: undo it, and with -r after a failure inside
         the model, measure the model on slices of the failing batch (recover/replay.py), where that batch
         is the value retried and the checkpoint holds the model (what the measuring changes is undone the
