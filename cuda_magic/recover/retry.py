@@ -370,7 +370,7 @@ class BatchSearch:
                 why = (f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
                        f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
                        f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
-                       + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f} s)")
+                       + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s)")
                 if measured_best is None or value < measured_best[0]:
                     measured_best = (value, why, True)
                 continue
