@@ -134,21 +134,9 @@ def leaf_modules(root) -> list | None:
     return leaves
 
 
-def forward_progress(tb) -> Progress | None:
-    """How far through the outermost module called the traceback's failure came; None when the failure
-    was not inside a module call (after the forward pass: the loss, backward, the optimizer step) or the
-    module tree cannot tell. Call it inside the `except` block (the frames' locals are read; clearing them
-    afterwards also resyncs what was read)."""
-    torch = loaded_torch()
-    if torch is None or tb is None:
-        return None
-    calls = module_calls(tb, torch)
-    if calls is None:
-        return None
-    return progress_of(calls, torch)
-
-
 def progress_of(calls: ModuleCalls, torch) -> Progress | None:
+    """How far through the outermost module called the failure came; None when the module tree cannot
+    tell (recover/replay.py's `read_model_calls` reads the calls from a traceback)."""
     root, failing, first_arg = calls.root, calls.failing, calls.first_arg
     leaves = leaf_modules(root)
     if leaves is None or len(leaves) < 2:
@@ -185,9 +173,8 @@ def _element_size(tensor, module) -> int:
     return 4
 
 
-def _tensor_bytes(torch, items) -> int:
-    """Bytes of the distinct tensors among items and one level into their lists, tuples and dicts."""
-    seen, total = set(), 0
+def flat_items(items) -> list:
+    """The items, with their lists, tuples and dicts opened one level (a model's arguments)."""
     flat = []
     for item in items:
         if isinstance(item, (list, tuple)):
@@ -196,7 +183,13 @@ def _tensor_bytes(torch, items) -> int:
             flat.extend(item.values())
         else:
             flat.append(item)
-    for t in flat:
+    return flat
+
+
+def _tensor_bytes(torch, items) -> int:
+    """Bytes of the distinct tensors among items and one level into their lists, tuples and dicts."""
+    seen, total = set(), 0
+    for t in flat_items(items):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:

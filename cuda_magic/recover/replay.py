@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import loaded_torch
 from cuda_magic.oom.classify import oom_kind
-from cuda_magic.recover.progress import ModelCost, Progress, module_calls, progress_of
+from cuda_magic.recover.progress import ModelCost, Progress, flat_items, module_calls, progress_of
 
 SLICE = 32         # the smaller slice is this fraction of the failing batch's rows; the larger twice it
 MIN_ROWS = 2       # BatchNorm in training needs more than one value per channel
@@ -88,24 +88,20 @@ class Replay:
         entries = ()
         if len(small.entries) == len(large.entries):
             entries = tuple((a - (b - a), (b - a) / rows) for a, b in zip(small.entries, large.entries))
-        state_now = _state_bytes(self.optimizers, self._device(), torch)
+        device = _device_of(self.root)
+        state_now = _state_bytes(self.optimizers, device, torch)
         fixed_held = (max(0, self.grads_at_failure - grads_start)
                       + max(0, self.state_at_failure - state_now))
         # the gradients are alive in the forward pass where they were when it failed, and unless the
         # optimizer has stepped in this attempt with none left (zeroed before the forward pass), may be
         stepped_without = self.grads_at_failure == 0 and self.state_at_failure > state_now
-        full = _full_state(self.optimizers, self._device(), torch)
+        full = _full_state(self.optimizers, device, torch)
         return ModelCost(rows=self.rows, lines=tuple(lines), forward_lines=tuple(forward_lines),
                          grads_in_forward=0 if stepped_without else grads, kept_lines=tuple(kept_lines),
                          grads=grads,
                          entries=entries, fixed_held=fixed_held,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
                          probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0)
-
-    def _device(self):
-        for p in self.root.parameters():
-            return p.device
-        return None
 
     def _run(self, rows: int, meter, torch) -> Pass:
         """One pass on the first `rows` rows, measured above what was allocated before it."""
@@ -185,8 +181,9 @@ def _sampling(meter, before: int, done: Pass, params: list):
 
 
 def read_model_calls(tb) -> tuple[Progress | None, Replay | None]:
-    """Inside the `except` block of an OOM: how far through the model's forward pass it came
-    (recover/progress.py) and what to replay the model with; (None, None) outside a module call."""
+    """Inside the `except` block of an OOM (the frames' locals are read): how far through the model's
+    forward pass it came (recover/progress.py) and what to replay the model with; (None, None) when it
+    was not inside a module call (after the forward pass: the loss, backward, the optimizer step)."""
     torch = loaded_torch()
     if torch is None or tb is None:
         return None, None
@@ -207,25 +204,18 @@ def replay_of(calls, torch) -> Replay | None:
     if rows is None or rows < 4 * MIN_ROWS:
         return None
     optimizers = _optimizers(calls.frames or [], root, torch)
-    device = next((p.device for p in root.parameters()), None)
+    device = _device_of(root)
     return Replay(root, calls.failing, calls.args, calls.kwargs, rows, optimizers, _grad_bytes(root),
                   _state_bytes(optimizers, device, torch))
 
 
-def _flat(items) -> list:
-    out = []
-    for item in items:
-        if isinstance(item, (list, tuple)):
-            out.extend(item)
-        elif isinstance(item, dict):
-            out.extend(item.values())
-        else:
-            out.append(item)
-    return out
+def _device_of(root):
+    """The device of the model's first parameter (where its gradients and optimizer state live)."""
+    return next((p.device for p in root.parameters()), None)
 
 
 def _rows(items, torch) -> int | None:
-    for t in _flat(items):
+    for t in flat_items(items):
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             return int(t.shape[0])
     return None
