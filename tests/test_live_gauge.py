@@ -156,8 +156,11 @@ def test_gpumem_live_in_html_sends_its_updates_as_part_of_the_running_cell():
     # nbclient, like a front end that drops what belongs to a finished request, takes a message only from
     # the cell it is running; a display_id update from the gauge's thread during cell 3 must come as part
     # of cell 3 to reach the gauge shown by cell 2 (no `--live off` here: it would draw a last reading)
+    # the allocating cell waits 0.6 s (over two readings) after its last allocation: a reading taken
+    # between two cells has no running cell to go with, and a gauge redraws only on a change
     nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
-                        "%gpumem --live", ALLOCATE, "time.sleep(0.5)"], env={"CUDA_MAGIC_DISPLAY": "html"})
+                        "%gpumem --live", ALLOCATE + "time.sleep(0.6)\n", "time.sleep(0.5)"],
+                       env={"CUDA_MAGIC_DISPLAY": "html"})
     shown = [o for o in nb.cells[2].outputs if o.get("output_type") == "display_data"]
     assert len(shown) == 1
     html = shown[0]["data"]["text/html"]
