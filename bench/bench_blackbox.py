@@ -65,11 +65,10 @@ def build():
 
 
 def variants(step):
-    from cuda_magic.devices.blackbox import Recorder
+    from cuda_magic.devices.recorder import Recorder
     from cuda_magic.devices.meter import SimMeter
     from cuda_magic.devices.simulated import SimulatedDevice
-    from cuda_magic.recover.engine import GuardEngine
-    from cuda_magic.recover.report import GuardReport
+    from cuda_magic.recover.guarded import GuardedRun, GuardOptions
 
     dev = SimulatedDevice(64 << 30)
 
@@ -98,7 +97,7 @@ def variants(step):
             with dev:
                 meter = SimMeter(dev)
                 for _ in range(n):
-                    GuardEngine(meter, timeline=timeline).run(step, GuardReport(device=meter.key))
+                    GuardedRun(meter, GuardOptions(timeline=timeline)).run(step)
         return run
 
     return {"cpu": cpu, "sim": sim, "sim+box": sim_box, "guarded": guarded(False), "guarded+box": guarded(None)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
-    "diff": ("cuda_magic.memory.records", "diff"),
+    "diff": ("cuda_magic.memory.snapshot", "diff"),
     "explain": ("cuda_magic.oom.diagnosis", "explain"),
     "release": ("cuda_magic.recover.cleanup", "release"),
     "snapshot": ("cuda_magic.memory.capture", "snapshot"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from cuda_magic.units import SizeError, is_positive_int, parse_size
+from cuda_magic.units import SizeError, is_positive_int, parse_limit
 
 
 class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
@@ -57,14 +57,15 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             raise ValueError(f"amp must be 'bf16' or 'fp16', not {amp!r}")
         if limit is not None:
             try:
-                parse_size(str(limit), 1)   # reject bad text now, not at the first call
+                parse_limit(str(limit))     # reject bad text now, not at the first call
             except SizeError as exc:
                 raise ValueError(str(exc)) from None
         self.retry, self.floor, self.search, self.accumulate = retry, min, search, accumulate
         self.limit, self.amp, self.device = limit, amp, device
         self.raise_on_oom, self.quiet = raise_on_oom, quiet
         self.timeline, self.exact = timeline, exact
-        self.report = None
+        self.report = None          # the last call's report (each call keeps its own run: reentrant)
+        self._blocks = []           # the runs of the `with` blocks entered and not yet left
 
     # decorator -----------------------------------------------------------------------------------
     def __call__(self, func):
@@ -89,45 +90,41 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             def call():
                 return func(*bound.args, **bound.kwargs)
 
-            roots = [v for k, v in func.__globals__.items() if not k.startswith("_")]
+            globals_ = [v for k, v in func.__globals__.items() if not k.startswith("_")]
+            # arguments are bound again for every call: the function's own names need no rollback
+            run = self._guarded_run(values=arguments, roots=[*arguments.values(), *globals_])
             try:
-                result, _ = self._run(call, arguments, roots=[*arguments.values(), *roots])
+                result = run.run(call)
             finally:
-                wrapper.last_report = self.report
-            return result
+                wrapper.last_report = self.report = run.report
+            del run
+            return self._outcome(result)
 
         wrapper.last_report = None
         return wrapper
 
-    def _run(self, call, arguments, roots=()):
-        __tracebackhide__ = True  # noqa: F841
-        from cuda_magic.devices.meter import metered_devices
+    def _guarded_run(self, **where):
         from cuda_magic.ipython import current_shell
-        from cuda_magic.recover.engine import GuardEngine, RetrySpec
-        from cuda_magic.recover.failure import conclude, short_oom_error
-        from cuda_magic.recover.report import GuardReport
+        from cuda_magic.recover.guarded import GuardedRun, GuardOptions, RetrySpec
 
         meter, limit = self._choose_meter()
-        report = GuardReport(device=meter.key, limit=limit, source="oomguard", api=True)
-        report.before = metered_devices(meter)
-        self.report = report
         retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search,
                                                           self.exact)
-        # arguments are bound again for every call: the function's own names need no rollback
-        engine = GuardEngine(meter, values=arguments, retry=retry, limit=limit, amp=self.amp, roots=roots,
-                             timeline=self.timeline)
-        try:
-            result, passthrough = engine.run(call, report)
-        finally:
-            conclude(report, meter, amp=self.amp is not None, shell=current_shell())
-        if passthrough is not None:
-            raise passthrough
-        self._show(report)
-        if report.outcome == "oom" and self.raise_on_oom:
-            error = short_oom_error(report)
-            del engine
+        options = GuardOptions(retry=retry, limit=limit, amp=self.amp, timeline=self.timeline, source="oomguard",
+                               api=True)
+        return GuardedRun(meter, options, shell=current_shell(), **where)
+
+    def _outcome(self, result):
+        """Pass a non-OOM error through; show the report where it is worth it; raise the short error."""
+        __tracebackhide__ = True  # noqa: F841
+        if result.error is not None:
+            error, result = result.error, None
             raise error
-        return result, report
+        self._show(result.report)
+        if result.ran_out and self.raise_on_oom:
+            error, result = result.short_error(), None
+            raise error
+        return result.value
 
     def _choose_meter(self):
         """(meter, limit bytes) for this run; `device=` must name a device that is here (ValueError)."""
@@ -138,8 +135,10 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             from cuda_magic.devices.names import present_devices, resolve_device
 
             device = resolve_device(device, present_devices(), flag="device=")
-        return choose_meter(device, None if self.limit is None else str(self.limit),
-                            lambda text, cap: parse_size(text, cap))
+        try:
+            return choose_meter(device, None if self.limit is None else parse_limit(str(self.limit)))
+        except SizeError as exc:
+            raise ValueError(f"limit={self.limit!r}: {exc}") from None
 
     def _show(self, report) -> None:
         """Silent for a call that fits, at once or after retries (SPEC: "prints nothing for a call that
@@ -154,71 +153,31 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     def __enter__(self):
         if self.retry is not None:
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
-        from cuda_magic.recover.report import GuardReport
-
-        self._meter, limit = self._choose_meter()
-        self._limit = limit
-        self.report = GuardReport(device=self._meter.key, limit=limit, source="oomguard", api=True)
-        self._meter.reset_peak()
-        self._start = self._meter.allocated()
-        self._box = None
-        if self.timeline is not False:
-            from cuda_magic.recover.engine import start_blackbox
-
-            self._box = start_blackbox(self._meter)
-            self._box.begin_attempt(0)
-        self.report.timeline_requested = bool(self.timeline)
-        self._running = self._meter.running(limit)
-        self._running.__enter__()
-        return self.report
+        run = self._guarded_run()
+        report = run.begin()
+        self._blocks.append(run)
+        self.report = report
+        return report
 
     def __exit__(self, etype, value, tb):
-        from cuda_magic.ipython import current_shell
-        from cuda_magic.recover.failure import (conclude, error_text, kind_of, read_failure, release_failure,
-                                                short_oom_error)
-        from cuda_magic.recover.report import Attempt, Outcome
-
-        from cuda_magic.recover.engine import finish_blackbox
-
-        self._running.__exit__(None, None, None)
-        report, meter = self.report, self._meter
-        kind = Outcome.OK if value is None else kind_of(value)
-        box, self._box = self._box, None
-        if box is not None:
-            if kind is Outcome.OOM:
-                box.failed()
-            box.pause()
-        if kind is not Outcome.OOM:
-            report.attempts.append(Attempt(None, kind, meter.peak(), start_allocated=self._start))
-            report.outcome = kind
-            if value is not None:
-                report.exception_text = error_text(value)
-            if box is not None:
-                finish_blackbox(box, report, meter, self._limit, None)
-            conclude(report, meter)
-            if self.timeline and not self.quiet and kind is Outcome.OK:
+        __tracebackhide__ = True  # noqa: F841
+        run = self._blocks.pop()
+        del tb
+        result = run.end(value)
+        del value, run
+        report = self.report = result.report
+        if result.error is not None:        # not out of memory, or Ctrl-C: it propagates untouched
+            return False
+        if result.ran_out:
+            if not self.quiet:
                 from cuda_magic.display.show import show
 
                 show(report)
-            return False
-        failure = read_failure(value, meter)
-        report.oom, report.failure = failure.oom, failure.point
-        report.by_kind = failure.by_kind
-        attempt = Attempt(None, Outcome.OOM, meter.peak(), failure.oom.requested, start_allocated=self._start)
-        report.attempts.append(attempt)
-        del tb
-        if box is not None:
-            finish_blackbox(box, report, meter, self._limit, None)
-        attempt.reclaimed = release_failure(value, failure, meter)
-        del value
-        if attempt.reclaimed is not None:
-            report.reclaimed[meter.key] = attempt.reclaimed
-        report.outcome = Outcome.OOM
-        conclude(report, meter, amp=self.amp is not None, shell=current_shell())
-        if not self.quiet:
+            if self.raise_on_oom:
+                raise result.short_error()
+            return True
+        if self.timeline and not self.quiet:
             from cuda_magic.display.show import show
 
             show(report)
-        if self.raise_on_oom:
-            raise short_oom_error(report)
-        return True
+        return False

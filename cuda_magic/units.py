@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 import re
+from dataclasses import dataclass
 
 _UNITS = {
     "B": 1,
@@ -22,8 +23,26 @@ class SizeError(ValueError):
     """A size the user typed cannot be understood; the message says what is accepted."""
 
 
-def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool = True) -> int:
-    """Bytes for '4GiB', '512MB', '64MiB', '1024B', or a fraction of `capacity` such as '0.25'.
+@dataclass(frozen=True)
+class Limit:
+    """A cap as the user typed it, parsed once: bytes, or a fraction of a capacity known only once the
+    device is chosen (`of`)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+    text: str = ""
+
+    def of(self, capacity: int | None) -> int:
+        """The cap in bytes on a device of `capacity` bytes (a fraction needs it: SizeError where None)."""
+        if self.nbytes is not None:
+            return self.nbytes
+        if capacity is None:
+            raise SizeError(f"size {self.text!r} is a fraction, but the capacity is not known here: give a unit")
+        return max(1, int(capacity * self.fraction))
+
+
+def parse_limit(text, *, allow_fraction: bool = True) -> Limit:
+    """A Limit from '4GiB', '512MB', '64MiB', '1024B', or a fraction of the capacity such as '0.25'.
 
     A fraction must be above 0 and at most 1. A bare number above 1, zero, a negative number or an
     unknown unit raises SizeError.
@@ -38,9 +57,7 @@ def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool =
             raise SizeError(
                 f"size {raw!r} is not valid: give a fraction of the capacity above 0 and at most 1 "
                 "(0.25), or a size with a unit (4GiB, 512MB, 64MiB)")
-        if capacity is None:
-            raise SizeError(f"size {raw!r} is a fraction, but the capacity is not known here: give a unit")
-        return max(1, int(capacity * value))
+        return Limit(fraction=value, text=raw)
     match = _SIZE_RE.match(raw)
     if not match:
         fraction = " or a fraction of the capacity (0.25)" if allow_fraction else ""
@@ -54,7 +71,13 @@ def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool =
     nbytes = int(value * _UNITS[unit])
     if nbytes <= 0:
         raise SizeError(f"size {raw!r} is not valid: it must be more than 0 bytes")
-    return nbytes
+    return Limit(nbytes=nbytes, text=raw)
+
+
+def parse_size(text: str, capacity: int | None = None, *, allow_fraction: bool = True) -> int:
+    """Bytes for '4GiB', '512MB', '64MiB', '1024B', or a fraction of `capacity` such as '0.25'
+    (`parse_limit`, resolved on `capacity`)."""
+    return parse_limit(text, allow_fraction=allow_fraction).of(capacity)
 
 
 def format_bytes(n: int | float | None, signed: bool = False) -> str:

@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from cuda_magic.devices.blackbox import Recorder
-from cuda_magic.memory.timeline import timeline_from
+from cuda_magic.devices.recorder import Recorder
+from cuda_magic.memory.blackbox import blackbox_from
 
 MiB = 1 << 20
 
@@ -91,7 +91,7 @@ def test_by_line_bytes_sum_to_what_the_device_had_at_the_failure(torch_warm, mod
         rec, lines, failed = recorded(dev, cell, ns)
         allocated_at_failure = rec.failures[-1].allocated
     assert isinstance(failed, torch.cuda.OutOfMemoryError)
-    tl = timeline_from(rec, device=dev.key, capacity=dev.capacity, lines=lines)
+    tl = blackbox_from(rec, device=dev.key, capacity=dev.capacity, lines=lines)
     assert tl.at == "failure"
     assert tl.total == allocated_at_failure == sum(u.bytes for u in tl.by_line)
     # the failing request: the attention scores, 16 x 512 x 512 float32, from the module file's line
@@ -121,7 +121,7 @@ def test_a_run_that_fits_is_shown_at_its_peak(torch_warm):
         """, {"torch": torch})
         peak = dev.peak
     assert failed is None
-    tl = timeline_from(rec, capacity=dev.capacity, lines=lines, failed=False)
+    tl = blackbox_from(rec, capacity=dev.capacity, lines=lines, failed=False)
     assert tl.at == "peak" and tl.peak == peak == 12 * MiB
     assert {u.where: u.bytes for u in tl.by_line} == {"cell line 1": 4 * MiB, "cell line 2": 8 * MiB}
 
@@ -141,7 +141,7 @@ def test_the_ring_drops_old_events_and_the_alive_set_stays_exact(torch_warm):
         allocated = rec.failures[-1].allocated
     assert isinstance(failed, torch.cuda.OutOfMemoryError)
     assert len(rec.events) == 50 and rec.dropped > 1000
-    tl = timeline_from(rec, capacity=dev.capacity, lines=lines)
+    tl = blackbox_from(rec, capacity=dev.capacity, lines=lines)
     assert tl.total == allocated
     rows = {u.where: (u.bytes, u.tensors) for u in tl.by_line}
     assert rows["cell line 1"] == (100 * 4096, 100)
@@ -167,10 +167,10 @@ def test_attempts_are_separate_traces(torch_warm):
                 pass
             rec.pause()
     dev.detach_recorder(rec)
-    tl = timeline_from(rec, capacity=dev.capacity, failed=False)
+    tl = blackbox_from(rec, capacity=dev.capacity, failed=False)
     assert tl.attempts == [0, 1]
     assert rec.failures[-1].attempt == 0
-    from cuda_magic.display.timeline import attempt_series, timeline_chart
+    from cuda_magic.display.blackbox_view import attempt_series, timeline_chart
 
     assert set(attempt_series(tl)) == {0, 1}
     root = ET.fromstring(timeline_chart(tl))
@@ -188,7 +188,7 @@ def test_the_drawn_timeline_has_no_script_and_loads_nothing(torch_warm):
             a = torch.ones(1024, 1024)
             scores = a @ a.T @ a
         """, {"torch": torch})
-    tl = timeline_from(rec, capacity=dev.capacity, lines=lines)
+    tl = blackbox_from(rec, capacity=dev.capacity, lines=lines)
     html = tl._repr_html_()
     lowered = html.lower()
     assert "<svg" in lowered and "<script" not in lowered and "<iframe" not in lowered
@@ -247,7 +247,7 @@ def test_cuda_replay_from_a_snapshot(monkeypatch):
     cell = "<cell-bb-cuda>"
     start = time.time()
     rec = replay(cuda_snapshot(cell, start), 0, cell_filename=cell, start_allocated=4 * MiB, start_us=start * 1e6)
-    tl = timeline_from(rec, device="cuda:0", capacity=80 * MiB, lines=["", "x = batch.cuda()", "y = model(x)"])
+    tl = blackbox_from(rec, device="cuda:0", capacity=80 * MiB, lines=["", "x = batch.cuda()", "y = model(x)"])
     # at the failure: 3 MiB from before the run (4 MiB less a freed 1 MiB block), 8 MiB cell line 2, 16 MiB model.py:42
     assert tl.total == rec.failures[-1].allocated == 27 * MiB
     rows = {u.where: u for u in tl.by_line}

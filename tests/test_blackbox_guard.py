@@ -80,7 +80,7 @@ def test_each_retry_attempt_is_its_own_trace(mip):
     bb = report.blackbox
     assert bb.attempts == list(range(len(report.attempts)))
     assert sorted(report.timeline.attempt.unique()) == bb.attempts
-    from cuda_magic.display.timeline import timeline_chart
+    from cuda_magic.display.blackbox_view import timeline_chart
 
     svg = ET.fromstring(timeline_chart(bb))
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == len(report.attempts)

@@ -8,10 +8,10 @@ import pytest
 
 from cuda_magic.memory.holders import Holder
 
-from cuda_magic.memory.records import CellRecord, Snapshot, TensorRecord, diff
+from cuda_magic.memory.snapshot import CellRecord, Snapshot, TensorRecord, diff
 
-from cuda_magic.devices.records import DeviceMemory, ProcessMemory
-from cuda_magic.oom.records import Advice, Diagnosis, OomFields
+from cuda_magic.devices.readings import DeviceMemory, ProcessMemory
+from cuda_magic.oom.findings import Advice, Diagnosis, OomFields
 from cuda_magic.recover.report import Attempt, FailurePoint, GuardReport, ReleaseReport, Retry
 from cuda_magic.units import format_bytes
 
@@ -104,7 +104,7 @@ def cell_records():
 from cuda_magic.display import html as H  # noqa: E402
 from cuda_magic.display import layout as L  # noqa: E402
 from cuda_magic.display import text as T  # noqa: E402
-from cuda_magic.devices.records import PARTS  # noqa: E402
+from cuda_magic.devices.readings import PARTS  # noqa: E402
 
 
 @pytest.mark.parametrize("make", [cuda_device, simulated_device, cpu_device])
@@ -447,7 +447,7 @@ def test_show_guard_text_prints_each_attempt_as_it_happens(shell, capsys):
         "[oomguard] attempt 1: batch_size=64 -> out of memory (peak 7.50 GiB, tried to allocate 2.00 GiB, 1.25 s)\n"
     handle.add_attempt(final.attempts[1])
     assert capsys.readouterr().out.startswith("[oomguard] attempt 2: batch_size=32 -> out of memory")
-    handle.finish(final)
+    handle.show_report(final)
     assert capsys.readouterr().out == T.guard_text(final) + "\n"
 
 
@@ -473,7 +473,7 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
     with capture_output() as cap:
         handle = show_guard(GuardReport(device="cuda:0", retry=Retry("batch_size", 64)))
         handle.add_attempt(guard_report().attempts[0])
-        handle.finish(guard_report())
+        handle.show_report(guard_report())
     assert "7.50 GiB" in handle.widget.attempts.value and "6.50 GiB" in handle.widget.reclaimed.value
     monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "bogus")
     with pytest.warns(UserWarning, match="CUDA_MAGIC_DISPLAY"):
@@ -483,8 +483,8 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
 KERNEL_CELLS = [
     """
 from cuda_magic.display.show import display_form, show, show_guard
-from cuda_magic.devices.records import DeviceMemory
-from cuda_magic.memory.records import Snapshot
+from cuda_magic.devices.readings import DeviceMemory
+from cuda_magic.memory.snapshot import Snapshot
 from cuda_magic.recover.report import Attempt, GuardReport, Retry
 GiB = 1024**3
 dev = DeviceMemory('sim:0', 'simulated GPU', 'simulated', 8 * GiB, torch_allocated=GiB, torch_cached=0,
@@ -496,7 +496,7 @@ print(display_form())
 handle = show_guard(GuardReport(device='sim:0', before=[dev], retry=Retry('bs', 8)))
 first = Attempt(8, 'oom', peak=7 * GiB, duration=0.1)
 handle.add_attempt(first)
-handle.finish(GuardReport(device='sim:0', before=[dev], after=[dev], peaks={'sim:0': 5 * GiB},
+handle.show_report(GuardReport(device='sim:0', before=[dev], after=[dev], peaks={'sim:0': 5 * GiB},
                           attempts=[first, Attempt(4, 'ok', peak=5 * GiB, duration=0.1)],
                           retry=Retry('bs', 8, final=4), reclaimed={'sim:0': GiB}, outcome='recovered'))
 """,

@@ -4,7 +4,7 @@ import pytest
 from cuda_magic.devices.allocator_conf import (NEW_SETTER, OLD_SETTER, current_allocator_conf, enable_expandable_segments, expandable_segments_line, merge_conf, parse_conf, runtime_allocator_conf)
 from cuda_magic.oom.diagnosis import CAUSE_LABELS, diagnose, explain
 from cuda_magic.oom.classify import FATAL_NOTE
-from cuda_magic.oom.records import OomFields
+from cuda_magic.oom.findings import OomFields
 from cuda_magic.units import format_bytes
 
 from oom_messages import FATAL, MESSAGES

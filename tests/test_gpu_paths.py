@@ -446,14 +446,14 @@ def _fake_mps(monkeypatch, *, recommended=True):
 
 
 def test_a_guarded_run_on_mps_is_metered_on_mps(monkeypatch):
-    from cuda_magic.devices.meter import choose_meter
-    from cuda_magic.recover.engine import GuardEngine, autocast
-    from cuda_magic.recover.report import GuardReport, Outcome
-    from cuda_magic.units import parse_size
+    from cuda_magic.devices.meter import autocast, choose_meter
+    from cuda_magic.recover.guarded import GuardedRun, GuardOptions
+    from cuda_magic.recover.report import Outcome
+    from cuda_magic.units import parse_limit
 
     state = _fake_mps(monkeypatch)
     monkeypatch.delenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", raising=False)
-    meter, limit = choose_meter(None, "2GiB", lambda text, cap: parse_size(text, cap))
+    meter, limit = choose_meter(None, parse_limit("2GiB"))
     assert meter.key == "mps" and meter.device_type == "mps"
     assert limit == 2 * GiB
     try:
@@ -464,22 +464,21 @@ def test_a_guarded_run_on_mps_is_metered_on_mps(monkeypatch):
     def cell():
         state["allocated"] += 500 * MiB
 
-    report = GuardReport(device=meter.key)
-    GuardEngine(meter, limit=limit).run(cell, report)
+    report = GuardedRun(meter, GuardOptions(limit=limit)).run(cell).report
     attempt, = report.attempts
     assert attempt.outcome is Outcome.OK
     assert attempt.start_allocated == 100 * MiB and attempt.peak == 600 * MiB
     assert state["fractions"] == [0.25, 1.7]               # the cap, then torch's default ratio back
-    meter2, _ = choose_meter(None, None, None)
+    meter2, _ = choose_meter()
     assert meter2.key == "mps"
 
 
 def test_mps_before_torch_2_5_caps_through_a_simulated_device(monkeypatch):
     from cuda_magic.devices.meter import SimMeter, choose_meter
-    from cuda_magic.units import parse_size
+    from cuda_magic.units import parse_limit
 
     _fake_mps(monkeypatch, recommended=False)
-    meter, _ = choose_meter(None, "1GiB", lambda text, cap: parse_size(text, cap))
+    meter, _ = choose_meter(None, parse_limit("1GiB"))
     assert isinstance(meter, SimMeter)
 
 

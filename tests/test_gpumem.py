@@ -179,7 +179,7 @@ def test_watch_records_each_cell_with_the_exact_peak(tip, capsys):
     assert list(history["peak"]) == [4000 + 2**20, 4000 + 1024]
     assert list(history["allocated_delta"]) == [0, 1024]
     assert all(history["peak_exact"])
-    from cuda_magic.memory.records import CellRecord
+    from cuda_magic.memory.snapshot import CellRecord
     from cuda_magic.magics.state import get_state
 
     records = get_state(tip).history

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_ok
 
 from cuda_magic.display.history import history_chart, history_html, history_text
-from cuda_magic.memory.records import CellRecord
+from cuda_magic.memory.snapshot import CellRecord
 
 MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("no_gpu")

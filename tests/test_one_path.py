@@ -13,16 +13,10 @@ import pytest
 def test_guard_all_measures_the_device_that_ran_out(tip):
     tip.run_line_magic("gpumem", "--simulate 32MiB -q")
     tip.run_line_magic("oomguard", "on")
-    from cuda_magic.recover import failure
+    from cuda_magic.magics.state import get_state
 
-    seen = []
-    original = failure.conclude
-    failure.conclude = lambda report, meter, **kw: (seen.append(report), original(report, meter, **kw))[1]
-    try:
-        tip.run_cell("x = torch.ones(64, 2**20)")
-    finally:
-        failure.conclude = original
-    report = seen[0]
+    tip.run_cell("x = torch.ones(64, 2**20)")
+    report = get_state(tip).guard_all.last_report
     assert report.device == "sim:0" and [d.key for d in report.before] == ["sim:0"]
     assert [d.key for d in report.after] == ["sim:0"] and report.outcome == "oom"
 

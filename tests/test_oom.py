@@ -4,7 +4,7 @@ import random
 import pytest
 
 from cuda_magic.oom.classify import (FATAL_NOTE, find_oom, is_oom, message_kind, oom_fields, oom_kind, parse_oom_message)
-from cuda_magic.oom.records import OomFields
+from cuda_magic.oom.findings import OomFields
 
 from oom_messages import FATAL, MESSAGES, NOT_OOM
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch, mps_available
 from cuda_magic.devices.proc import meminfo, process_rss
-from cuda_magic.devices.records import DeviceMemory, ProcessMemory
+from cuda_magic.devices.readings import DeviceMemory, ProcessMemory
 from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
 
 

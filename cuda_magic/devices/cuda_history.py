@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import time
 
-from cuda_magic.devices.blackbox import Recorder, grad_mode
+from cuda_magic.devices.recorder import Recorder, grad_mode
 
 MAX_ENTRIES = 100_000                 # torch keeps the newest entries past this (several KB each)
 NOTE_UNAVAILABLE = ("no black box on CUDA: this torch has no allocator history with Python stacks "

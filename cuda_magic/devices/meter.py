@@ -4,19 +4,27 @@ device and the CPU; `device_type` is what torch.autocast is given for the device
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from cuda_magic.devices.probe import cuda_started
 
 
-class SimMeter:
+class Meter:
+    """What every meter has: `key`, `device_type`, allocated / reserved / capacity / peak readers,
+    `reset_peak()`, `running(limit)` around a run; `counting()` around work between runs."""
+
+    def counting(self):
+        return nullcontext()
+
+
+class SimMeter(Meter):
     device_type = "cpu"       # its tensors are CPU tensors
 
     def __init__(self, device, temporary: bool = False):
         self.device = device
         self.temporary = temporary    # made for this run by -l: started and stopped around it
         self.key = device.key
-        if temporary:                 # what exists counts against the cap, as on a GPU
+        if temporary:                 # what exists counts against the cap, as on a GPU (one gc scan)
             device.count_existing()
 
     def allocated(self) -> int:
@@ -37,7 +45,6 @@ class SimMeter:
     @contextmanager
     def running(self, limit: int | None = None):
         if self.temporary:
-            self.device.count_existing()   # made between runs (restored state) counts too
             with self.device:
                 yield
         elif limit is not None:
@@ -46,13 +53,18 @@ class SimMeter:
         else:
             yield
 
+    def counting(self):
+        """What is made inside counts on the device, between runs too (a retry's restored states): a
+        device made for the run counts only while it runs, so it runs here too."""
+        return self.device if self.temporary and not self.device.active else nullcontext()
+
 
 #: The memory fraction cuda_magic last set per device key: torch before 2.6 has no getter, so a later `-l`
 #: restores this rather than guessing.
 _fractions_set: dict[str, float] = {}
 
 
-class CudaMeter:
+class CudaMeter(Meter):
     device_type = "cuda"      # for torch.autocast
 
     def __init__(self, index: int):
@@ -126,7 +138,7 @@ class CudaMeter:
 MPS_DEFAULT_RATIO = 1.7
 
 
-class MpsMeter:
+class MpsMeter(Meter):
     """Apple's MPS: torch.mps's counters. There is no peak counter: the peak is the highest figure read
     at the run's start and end, marked approximate."""
 
@@ -180,7 +192,7 @@ class MpsMeter:
             _fractions_set[self.key] = old
 
 
-class XpuMeter:
+class XpuMeter(Meter):
     """Intel XPU: torch.xpu's allocator counters (torch 2.5+)."""
 
     device_type = "xpu"
@@ -224,7 +236,7 @@ class XpuMeter:
             _fractions_set[self.key] = old
 
 
-class CpuMeter:
+class CpuMeter(Meter):
     """The process's resident memory: approximate, since Python and the allocator keep pages."""
 
     key = "cpu"
@@ -262,6 +274,16 @@ def available_memory() -> int | None:
     return meminfo().get("MemAvailable")
 
 
+def autocast(amp: str | None, meter):
+    """torch.autocast for the meter's device at `amp` ('bf16', 'fp16'); nothing for None."""
+    if amp is None:
+        return nullcontext()
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    return torch.autocast(device_type=meter.device_type, dtype=dtype)   # cpu for the simulated device
+
+
 def capacity_of(meter) -> int | None:
     """The meter's capacity, None where the backend cannot give one."""
     try:
@@ -291,40 +313,37 @@ def xpu_usable() -> bool:
             and bool(xpu.is_available()))
 
 
-def choose_meter(device: str | None = None, limit_text: str | None = None, parse_limit=None):
-    """(meter, limit bytes) for a guarded run.
+def choose_meter(device: str | None = None, limit=None):
+    """(meter, limit bytes) for a guarded run. `limit`: a `units.Limit` the caller parsed (None: no cap);
+    a fraction is taken of the chosen device's capacity (`units.SizeError` where that is not known).
 
     The session's simulated device when one is on; else CUDA (or ROCm) where torch has a device; else
-    MPS; else an XPU; else, with a `-l` cap, a simulated device made for this run (so that the same cell
-    runs out of memory on a CPU-only machine as on a small GPU); else the CPU. `parse_limit(text,
-    capacity)` turns the cap into bytes.
+    MPS; else an XPU; else, with a cap, a simulated device made for this run (so that the same cell
+    runs out of memory on a CPU-only machine as on a small GPU); else the CPU.
     """
     from cuda_magic.devices.simulated import SimulatedDevice, active_device
 
     sim = active_device()
     if sim is not None and device in (None, "sim", "sim:0", "0"):
-        limit = parse_limit(limit_text, sim.capacity) if limit_text else None
-        return SimMeter(sim), limit
+        return SimMeter(sim), limit.of(sim.capacity) if limit is not None else None
     text = str(device or "")
     if device not in ("cpu", "sim") and not text.startswith(("mps", "xpu")) and cuda_usable():
         torch = sys.modules["torch"]
         meter = CudaMeter(_cuda_index(device, torch))
-        limit = parse_limit(limit_text, meter.capacity() or meter.total()) if limit_text else None
-        return meter, limit
+        return meter, limit.of(meter.capacity() or meter.total()) if limit is not None else None
     if device in (None, "mps") and mps_usable():
         meter = MpsMeter()
         capacity = meter.capacity()
-        if not limit_text or capacity is not None:
-            return meter, parse_limit(limit_text, capacity) if limit_text else None
+        if limit is None or capacity is not None:
+            return meter, limit.of(capacity) if limit is not None else None
         # torch before 2.5 cannot say the size a fraction is of: the cap is simulated below
     elif (device is None or text.startswith("xpu")) and xpu_usable():
         index = int(text.split(":")[-1]) if text.split(":")[-1].isdigit() else 0
         meter = XpuMeter(index)
-        if not limit_text or hasattr(meter.xpu, "set_per_process_memory_fraction"):
-            return meter, parse_limit(limit_text, meter.capacity()) if limit_text else None
-    if limit_text:
-        limit = parse_limit(limit_text, available_memory())
-        return SimMeter(SimulatedDevice(limit), temporary=True), None
+        if limit is None or hasattr(meter.xpu, "set_per_process_memory_fraction"):
+            return meter, limit.of(meter.capacity()) if limit is not None else None
+    if limit is not None:
+        return SimMeter(SimulatedDevice(limit.of(available_memory())), temporary=True), None
     return CpuMeter(), None
 
 

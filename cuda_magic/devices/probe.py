@@ -67,6 +67,18 @@ def has_gpu() -> bool:
     return found
 
 
+def subclasses(base) -> frozenset:
+    """`base` and every class derived from it now: a gc pass matches exact types against this set
+    (`type(o) in found` is several times faster than `issubclass` per object)."""
+    found, stack = set(), [base]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(cls.__subclasses__())
+    return frozenset(found)
+
+
 def forget() -> None:
     """Ask again next time (tests that fake a device)."""
     global _gpu

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from cuda_magic.devices.blackbox import DEFAULT_MAX_EVENTS, Recorder
+from cuda_magic.devices.recorder import DEFAULT_MAX_EVENTS, Recorder
 
 NOTE_NO_DEVICE = ("no black box here: it records on the simulated device (`-l`, `%gpumem --simulate`) "
                   "and on CUDA")
 
 
-class BlackBox:
+class Recording:
     """`start()`, then `begin_attempt(n)` / `pause()` around each attempt, then `stop()` -> Recorder."""
 
     def __init__(self, meter, *, cell_filename: str | None = None, max_events: int = DEFAULT_MAX_EVENTS,

@@ -11,7 +11,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 
-from cuda_magic.devices.records import DeviceMemory
+from cuda_magic.devices.readings import DeviceMemory
 
 _active: list[SimulatedDevice] = []   # devices counting now, the latest started last (mirrors the modes entered)
 _host_only: set[int] = set()               # storages kept in host memory on purpose: never counted
@@ -282,17 +282,19 @@ class SimulatedDevice:
                 recorder.free(key, self.allocated)
 
     def count_existing(self) -> int:
-        """Count the CPU tensor storages that already exist (a gc scan), as a GPU counts what the notebook
+        """Count the CPU tensor storages that already exist (one gc scan), as a GPU counts what the notebook
         already holds: `-l` without CUDA then caps the whole, not only the cell's increase. Storages marked
-        `host_only` (copies kept in host memory) are left out. Returns the bytes added."""
+        `host_only` (copies kept in host memory) are left out, and so are tensors that hold no memory of
+        their own (meta tensors). Returns the bytes added."""
         import gc
 
         import torch
 
+        from cuda_magic.devices.probe import subclasses
+
+        ttypes = subclasses(torch.Tensor)
         added = 0
-        for obj in gc.get_objects():
-            if not issubclass(type(obj), torch.Tensor):
-                continue
+        for obj in [o for o in gc.get_objects() if type(o) in ttypes]:
             try:
                 if obj.device.type != "cpu" or obj.is_sparse:
                     continue
@@ -318,10 +320,6 @@ class SimulatedDevice:
     def counts(self, storage_key: int) -> bool:
         """Whether this device counts the storage whose `untyped_storage()._cdata` is `storage_key`."""
         return storage_key in self._live
-
-    def counts_storage(self, key: int) -> bool:
-        """Whether this device counts the storage with this id (`storage._cdata`)."""
-        return key in self._live
 
     def forget(self) -> None:
         """Stop following the storages counted so far (a device that is switched off for good)."""

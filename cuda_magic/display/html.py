@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from html import escape
 
-from cuda_magic.devices.records import PARTS
+from cuda_magic.devices.readings import PARTS
 from cuda_magic.display.layout import kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
 from cuda_magic.reprs import render

@@ -4,7 +4,7 @@ these; none of them decides them again.
 """
 from __future__ import annotations
 
-from cuda_magic.devices.records import PART_LABELS, PARTS
+from cuda_magic.devices.readings import PART_LABELS, PARTS
 from cuda_magic.memory.kinds import KINDS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 

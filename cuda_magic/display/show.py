@@ -42,10 +42,10 @@ def display_form() -> str:
 
 def forms_of(obj):
     """(text, html, widget) builders for a record; widget is None where a record has no widget."""
-    from cuda_magic.memory.records import CellRecord, Snapshot, SnapshotDiff
-    from cuda_magic.devices.records import DeviceMemory, ProcessMemory
+    from cuda_magic.memory.snapshot import CellRecord, Snapshot, SnapshotDiff
+    from cuda_magic.devices.readings import DeviceMemory, ProcessMemory
     from cuda_magic.recover.report import GuardReport, ReleaseReport
-    from cuda_magic.memory.timeline import Timeline
+    from cuda_magic.memory.blackbox import BlackBox
     from cuda_magic.display import html as H
     from cuda_magic.display import layout as L
     from cuda_magic.display import text as T
@@ -57,8 +57,8 @@ def forms_of(obj):
         return (lambda: T.diff_text(obj), lambda: H.diff_html(obj), None)
     if isinstance(obj, GuardReport):
         return (lambda: T.guard_text(obj), lambda: H.guard_html(obj), lambda: W.GuardWidget(obj))
-    if isinstance(obj, Timeline):
-        from cuda_magic.display import timeline as TL
+    if isinstance(obj, BlackBox):
+        from cuda_magic.display import blackbox_view as TL
 
         return (lambda: TL.timeline_text(obj), lambda: H.box(TL.timeline_html(obj), "cuda-magic-blackbox"), None)
     if isinstance(obj, ReleaseReport):
@@ -161,7 +161,7 @@ class GuardHandle:
 
             print(attempt_line(attempt, len(self.attempts), self.report.variable), flush=True)
 
-    def finish(self, report) -> None:
+    def show_report(self, report) -> None:
         """The cell is done: show the whole report in place of the running view."""
         self.stop_gauge()
         self.report = report
@@ -178,7 +178,6 @@ class GuardHandle:
 
             print(guard_text(report), flush=True)
 
-
     def stop_gauge(self) -> None:
         """Stop and join the live gauge's thread, if one runs."""
         gauge, self.gauge = self.gauge, None
@@ -187,7 +186,7 @@ class GuardHandle:
 
 
 def show_guard(report, *, quiet: bool = False, form: str | None = None) -> GuardHandle:
-    """Start showing a guarded cell: `h = show_guard(r); h.add_attempt(a); ...; h.finish(r)`."""
+    """Start showing a guarded cell: `h = show_guard(r); h.add_attempt(a); ...; h.show_report(r)`."""
     return GuardHandle(report, quiet=quiet, form=form)
 
 

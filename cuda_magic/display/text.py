@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
-from cuda_magic.devices.records import PART_LABELS, PARTS
+from cuda_magic.devices.readings import PART_LABELS, PARTS
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_WORDS, MAX_ADVICE,
                                        bar_segments, bar_total, split_cells, in_use, peak_words, tensor_name,
                                        short_dtype, shape_text, hidden_tensors, oom_items, oom_title,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from cuda_magic.units import SizeError, parse_size
+from cuda_magic.units import SizeError, parse_limit, parse_size
 
 
 def parse_count(text, flag: str = "-n") -> int:
@@ -19,6 +19,14 @@ def parse_count(text, flag: str = "-n") -> int:
 def parse_size_arg(text, flag: str, capacity: int | None = None, *, allow_fraction: bool = True) -> int:
     try:
         return parse_size(text, capacity, allow_fraction=allow_fraction)
+    except SizeError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def parse_limit_arg(text, flag: str):
+    """A `units.Limit` (bytes, or a fraction of a capacity not known yet) from what follows `flag`."""
+    try:
+        return parse_limit(text)
     except SizeError as exc:
         raise UsageError(f"{flag}: {exc}") from None
 

@@ -93,7 +93,7 @@ class GpumemMagics(Magics):
         if command == "--history":
             return self._history(state, args)
 
-        from cuda_magic.memory.records import diff
+        from cuda_magic.memory.snapshot import diff
         from cuda_magic.memory.capture import snapshot
 
         snap = snapshot(self.shell, top=top)
@@ -177,7 +177,7 @@ class GpumemMagics(Magics):
     def _history(self, state, args):
         import pandas as pd
 
-        from cuda_magic.memory.records import CELL_COLUMNS
+        from cuda_magic.memory.snapshot import CELL_COLUMNS
 
         frame = pd.DataFrame([r.as_row() for r in state.history]) if state.history else \
             pd.DataFrame(columns=list(CELL_COLUMNS))

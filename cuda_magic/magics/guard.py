@@ -1,13 +1,14 @@
 """`%%oomguard` (run a cell that may run out of memory) and `%oomguard on|off` (guard every cell).
 
-A thin layer: options are checked here, before anything changes; the work is in guard.py."""
+An adapter over the core (recover/guarded.py): every option is checked here, before anything changes,
+then one GuardedRun runs the cell and its result says what to show and raise."""
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_size_arg
+from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_limit_arg
 from cuda_magic.units import is_positive_int, is_unit
 
 
@@ -43,10 +44,9 @@ class GuardMagics(Magics):
     # %oomguard on|off ------------------------------------------------------------------------------
     def _switch(self, line: str):
         from cuda_magic.magics.guard_all import GuardAll
-        from cuda_magic.magics.state import get_state
 
         word = line.strip().lower()
-        state = get_state(self.shell, create=True)
+        state = self.cuda_magic_state
         active = state.guard_all is not None and state.guard_all.active
         if word == "":
             print("%oomguard is on: an out-of-memory error in any cell is cleaned up and explained."
@@ -69,26 +69,25 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        run = self._prepare(args, cell)
-        if run.compiled.is_async:
+        cell_run = self._prepare(args, cell)
+        if cell_run.compiled.is_async:
             raise UsageError("top-level await in a guarded cell needs IPython's autoawait (%autoawait on)")
         try:
-            _, passthrough = run.engine.run(run.compiled, run.report)
+            result = cell_run.run.run(cell_run.compiled)
         finally:
-            run.conclude()
-        return run.finish(passthrough)
+            cell_run.shown()
+        return cell_run.outcome(result)
 
     async def guard_cell_async(self, line: str, cell: str):
         """`%%oomguard` on a cell with top-level `await`, awaited by IPython's own async execution
         (magics/awaiting.py routes such cells here)."""
         __tracebackhide__ = True  # noqa: F841
-        args = self._parse(line)
-        run = self._prepare(args, cell)
+        cell_run = self._prepare(self._parse(line), cell)
         try:
-            _, passthrough = await run.engine.run_async(run.compiled, run.report)
+            result = await cell_run.run.run_async(cell_run.compiled)
         finally:
-            run.conclude()
-        return run.finish(passthrough)
+            cell_run.shown()
+        return cell_run.outcome(result)
 
     def _parse(self, line: str):
         args = parse_args(self.oomguard, line)
@@ -99,12 +98,10 @@ class GuardMagics(Magics):
         return args
 
     def _prepare(self, args, cell: str) -> GuardedCell:
-        """Check every option, then set up: the meter, the compiled cell, the report and its display."""
-        from cuda_magic.devices.meter import metered_devices
+        """Check every option, then set up: the meter, the compiled cell, its run and its display."""
         from cuda_magic.display.show import show_guard
         from cuda_magic.magics.cell import CompiledCell
-        from cuda_magic.recover.engine import GuardEngine
-        from cuda_magic.recover.report import GuardReport
+        from cuda_magic.recover.guarded import GuardedRun, GuardOptions
 
         ns = self.shell.user_ns
         if args.timeline and args.no_timeline:
@@ -115,17 +112,18 @@ class GuardMagics(Magics):
         if args.expandable:
             self._expandable_segments(args.quiet)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
-        report = GuardReport(device=meter.key, limit=limit)
-        report.before = metered_devices(meter)
-        handle = show_guard(report, quiet=args.quiet)
+        options = GuardOptions(retry=retry, limit=limit, amp=args.amp, timeline=timeline,
+                               filename=compiled.filename, lines=tuple(compiled.lines))
+        run = GuardedRun(meter, options, values=ns, namespace=ns, shell=self.shell,
+                         on_note=None if args.quiet else _print_note)
+        run.start()                        # the device before, shown by the running view
+        handle = show_guard(run.report, quiet=args.quiet)
+        run.on_attempt = handle.add_attempt
         if not args.no_live:
             from cuda_magic.display.gauge import start_guard_gauge
 
             start_guard_gauge(handle, meter)   # nothing where no gauge can be seen (terminal IPython)
-        engine = GuardEngine(meter, values=ns, namespace=ns, retry=retry, limit=limit, amp=args.amp,
-                             filename=compiled.filename, lines=compiled.lines, on_attempt=handle.add_attempt,
-                             on_note=None if args.quiet else _print_note, timeline=timeline)
-        return GuardedCell(self.shell, args, meter, compiled, report, handle, engine)
+        return GuardedCell(args, compiled, run, handle)
 
     def _expandable_segments(self, quiet: bool) -> None:
         from cuda_magic.devices.allocator_conf import enable_expandable_segments
@@ -138,7 +136,7 @@ class GuardMagics(Magics):
             print(said)
 
     def _retry_options(self, args, ns):
-        from cuda_magic.recover.engine import RetrySpec
+        from cuda_magic.recover.guarded import RetrySpec
 
         floor = 1
         if args.floor is not None:
@@ -166,18 +164,16 @@ class GuardMagics(Magics):
         return RetrySpec(variable, accumulate, floor, args.search, args.exact)
 
     def _meter(self, args):
+        """(meter, limit bytes): `-d` and `-l` read once, the cap resolved on the device chosen."""
         from cuda_magic.devices.meter import choose_meter
+        from cuda_magic.units import SizeError
 
-        device = None
-        if args.device is not None:
-            device = parse_device(args.device)
-
-        def parse_limit(text, capacity):
-            return parse_size_arg(text, "-l", capacity)
-
-        if args.limit is not None:
-            parse_size_arg(args.limit, "-l", 1)   # reject bad text before anything else happens
-        return choose_meter(device, args.limit, parse_limit)
+        device = parse_device(args.device) if args.device is not None else None
+        limit = parse_limit_arg(args.limit, "-l") if args.limit is not None else None
+        try:
+            return choose_meter(device, limit)
+        except SizeError as exc:
+            raise UsageError(f"-l: {exc}") from None
 
 
 def _positive_int_variable(ns, name: str, flag: str) -> str:
@@ -192,41 +188,34 @@ def _positive_int_variable(ns, name: str, flag: str) -> str:
 
 
 class GuardedCell:
-    """One `%%oomguard` cell being run: what `_prepare` set up, and how it ends."""
+    """One `%%oomguard` cell being run: its compiled body, its run (the core) and its display."""
 
-    def __init__(self, shell, args, meter, compiled, report, handle, engine):
-        self.shell, self.args, self.meter = shell, args, meter
-        self.compiled, self.report, self.handle, self.engine = compiled, report, handle, engine
+    def __init__(self, args, compiled, run, handle):
+        self.args, self.compiled, self.run, self.handle = args, compiled, run, handle
 
-    def conclude(self) -> None:
-        """The report's device after, its diagnosis, and the final display (also after Ctrl-C)."""
+    def shown(self) -> None:
+        """The final display, in place of the running view (also after Ctrl-C): the gauge is joined first."""
         from cuda_magic.display.show import show_guard
-        from cuda_magic.recover.failure import conclude
 
         self.compiled = None
-        self.handle.stop_gauge()        # joined before the clean-up and the report
-        args, report = self.args, self.report
-        conclude(report, self.meter, amp=args.amp is not None, shell=self.shell)
-        if not args.quiet:
-            self.handle.finish(report)
+        self.handle.stop_gauge()
+        report = self.run.report
+        if not self.args.quiet:
+            self.handle.show_report(report)
         elif report.outcome == "oom":
-            show_guard(report).finish(report)
+            show_guard(report).show_report(report)
 
-    def finish(self, passthrough):
+    def outcome(self, result):
         """Raise what the cell raised, or the short OOM error; else the report (`-o`) or None."""
         __tracebackhide__ = True  # noqa: F841
-        from cuda_magic.recover.failure import short_oom_error
-
-        report, args = self.report, self.args
-        self.report = self.engine = self.handle = None
-        if passthrough is not None:
-            del report
-            raise passthrough
-        if report.outcome == "oom" and not args.no_raise:
-            error = short_oom_error(report)
-            del report
+        self.run = self.handle = None
+        if result.error is not None:
+            error, result = result.error, None
             raise error
-        return report if args.output else None
+        if result.ran_out and not self.args.no_raise:
+            error, result = result.short_error(), None
+            raise error
+        return result.report if self.args.output else None
 
 
 def _print_note(text: str) -> None:

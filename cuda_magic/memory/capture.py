@@ -4,7 +4,7 @@ from __future__ import annotations
 from cuda_magic.devices.backends import read_devices
 from cuda_magic.memory.census import take_census
 from cuda_magic.memory.kinds import bytes_by_kind
-from cuda_magic.memory.records import Snapshot
+from cuda_magic.memory.snapshot import Snapshot
 from cuda_magic.ipython import output_hist, shell_or_current, user_variables
 
 

@@ -10,8 +10,9 @@ import sys
 import types
 from itertools import chain
 
-from cuda_magic.memory.kinds import KindMarker, subclasses
-from cuda_magic.memory.records import TensorRecord
+from cuda_magic.devices.probe import subclasses
+from cuda_magic.memory.kinds import KindMarker
+from cuda_magic.memory.snapshot import TensorRecord
 from cuda_magic.paths import PACKAGE_DIR
 from cuda_magic.memory.reach import saved_attrs
 

@@ -3,8 +3,9 @@ activation kept by an autograd graph, or another tensor, from what reaches it.
 
 A storage reached in several ways takes the first kind of KINDS that reaches it (a parameter's storage
 saved by a graph for backward is a parameter). A module's buffer (BatchNorm's running statistics) is
-model state, not an activation, even when a graph saved it: it counts as other, ahead of activations. The census (census.py) calls `KindMarker` with what its one
-gc pass found; `bytes_by_kind` adds the classed storages up per device. No torch import here.
+model state, not an activation, even when a graph saved it: it counts as other, ahead of activations.
+The census (census.py) calls `KindMarker` with what its one gc pass found; `bytes_by_kind` adds the
+classed storages up per device. No torch import here.
 """
 from __future__ import annotations
 
@@ -26,17 +27,6 @@ _RANKED = ("parameters", "gradients", "optimizer_state", "other", "activations",
 _RANK = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "buffers": 3, "activations": 4, "other": 5}
 _OTHER = _RANK["other"]
 MAX_GRAPH_NODES = 50_000    # autograd nodes visited, all graphs together, to find the activations they keep
-
-
-def subclasses(base) -> frozenset:
-    """`base` and every class derived from it (the gc pass matches exact types against this set)."""
-    found, stack = set(), [base]
-    while stack:
-        cls = stack.pop()
-        if cls not in found:
-            found.add(cls)
-            stack.extend(cls.__subclasses__())
-    return frozenset(found)
 
 
 class KindMarker:

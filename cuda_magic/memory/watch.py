@@ -12,7 +12,7 @@ import time
 from cuda_magic.devices.probe import cuda_started, loaded_torch
 from cuda_magic.devices.proc import ProcReader
 from cuda_magic.devices.simulated import active_device
-from cuda_magic.memory.records import CellRecord
+from cuda_magic.memory.snapshot import CellRecord
 
 
 class CellWatcher:

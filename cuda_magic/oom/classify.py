@@ -20,7 +20,7 @@ import re
 import sys
 
 from cuda_magic.devices.errors import oom_error_class
-from cuda_magic.oom.records import OomFields
+from cuda_magic.oom.findings import OomFields
 
 FATAL_NOTE = (
     "This is not an out-of-memory error: after a device-side assert or an illegal memory access the "

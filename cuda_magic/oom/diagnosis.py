@@ -6,11 +6,12 @@ without a GPU. `explain(exc_or_text)` is the public entry point (`cuda_magic.oom
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from cuda_magic.devices.allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
 from cuda_magic.memory.holders import Holder
 from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
-from cuda_magic.oom.records import Advice, Diagnosis, OomFields
+from cuda_magic.oom.findings import Advice, Diagnosis, OomFields
 from cuda_magic.units import format_bytes
 
 CAUSE_LABELS = {
@@ -33,27 +34,72 @@ _TIGHT = 0.90                         # a working set above this share of what i
 _GPU_BACKENDS = ("cuda", "hip", "cublas", "cudnn", "xpu")
 
 
-def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacity: int | None = None,
-             peak: int | None = None, alloc_conf: str = "", limit: int | None = None,
-             batch_var: str | None = None, accum_var: str | None = None, api: bool = False,
-             inference: bool = False, retried: bool = False,
-             top_line: tuple[int, str, str] | None = None) -> Diagnosis:
-    """Causes of the OOM `fields` describes, ranked by the bytes each explains, and advice for them.
+@dataclass(frozen=True)
+class CellFacts:
+    """What the caller knows of the run that ran out, besides the figures of its message.
 
-    holders: (description, bytes) of notebook names that still hold device memory, e.g.
-    ("losses (list of 300 tensors with grad_fn)", 2_100_000_000). amp: whether the cell already ran
-    under autocast. device_capacity: used where the message does not state one. peak: the exact peak
-    of the failed run, used where the message states no allocation figures. alloc_conf: the allocator
-    settings in force (kept in the expandable_segments line). limit: a cap on what the cell may use
-    (`-l`), which counts as the capacity. batch_var / accum_var: the names to put in the
-    `%%oomguard -r BATCH -a ACCUM` line. api: the run was guarded by the Python API, so the advice speaks
-    of it (`oomguard(retry=...)`, `release()`), not of magics or a kernel. holders may be
-    `memory.holders.Holder` records (what deleting each name gives back, its kind) or (description, bytes)
-    pairs. inference: no autograd graph was being built (no_grad, inference_mode, generate): advice about
+    holders: the names that still hold device memory: `memory.holders.Holder` records (what deleting each
+    name gives back, its kind) or (description, bytes) pairs. amp: the cell already ran under autocast.
+    device_capacity: used where the message states none. peak: the exact peak of the failed run, used
+    where the message states no allocation figures. alloc_conf: the allocator settings in force (kept in
+    the expandable_segments line). limit: a cap on what the cell may use (`-l`), which counts as the
+    capacity. batch_var / accum_var: the names for the `%%oomguard -r BATCH -a ACCUM` line. api: the run
+    was guarded by the Python API, so the advice speaks of it (`oomguard(retry=...)`, `release()`).
+    inference: no autograd graph was being built (no_grad, inference_mode, generate): advice about
     sequences and caches, not training. retried: a smaller batch already fitted (no "use a smaller
-    batch"). top_line: (bytes, code, where) of the line that held the most at the failure (the black
-    box), cited in the summary.
+    batch"). top_line: (bytes, code, where) of the line that held the most at the failure (the black box),
+    cited in the summary.
     """
+
+    holders: tuple = ()
+    amp: bool = False
+    device_capacity: int | None = None
+    peak: int | None = None
+    alloc_conf: str = ""
+    limit: int | None = None
+    batch_var: str | None = None
+    accum_var: str | None = None
+    api: bool = False
+    inference: bool = False
+    retried: bool = False
+    top_line: tuple[int, str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the summary and every advice function read: the message's figures, the caller's facts, and
+    what the diagnosis found in them."""
+
+    fields: OomFields
+    facts: CellFacts
+    capacity: int | None                  # the smallest of the device's capacity, an "allowed" cap, -l
+    limited: bool                         # that capacity is a cap, not the device's
+    held: tuple[Holder, ...]              # the holders worth naming, largest first
+    found: dict[str, int]                 # cause -> the bytes it explains
+    others_estimated: bool                # "other processes" is an estimate (old messages)
+    causes: tuple[str, ...] = ()          # ranked
+
+    # the caller's facts, read the same way
+    amp = property(lambda self: self.facts.amp)
+    peak = property(lambda self: self.facts.peak)
+    alloc_conf = property(lambda self: self.facts.alloc_conf)
+    api = property(lambda self: self.facts.api)
+    inference = property(lambda self: self.facts.inference)
+    retried = property(lambda self: self.facts.retried)
+    top_line = property(lambda self: self.facts.top_line)
+    batch = property(lambda self: self.facts.batch_var or "BATCH")
+    accum = property(lambda self: self.facts.accum_var or "ACCUM")
+
+
+def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diagnosis:
+    """Causes of the OOM `fields` describes, ranked by the bytes each explains, and advice for them.
+    `facts` (or its fields as keywords) says what is known of the run besides the message."""
+    if facts is None:
+        facts = CellFacts(**{k: tuple(v) if k == "holders" else v for k, v in known.items()})
+    elif known:
+        raise TypeError("diagnose() takes facts= or its fields as keywords, not both")
+    holders, limit, peak = facts.holders, facts.limit, facts.peak
+    device_capacity = facts.device_capacity
     device_cap = fields.capacity if fields.capacity is not None else device_capacity
     caps = [c for c in (device_cap, fields.allowed, limit) if c is not None]
     capacity = min(caps) if caps else None
@@ -122,12 +168,8 @@ def diagnose(fields: OomFields, *, holders=(), amp: bool = False, device_capacit
     if plenty_free:
         causes.append("free_reported")
     causes = causes or ["unknown"]
-    context = dict(fields=fields, capacity=capacity, limited=limited, peak=peak, held=held, found=found,
-                   others_estimated=estimated, amp=amp, alloc_conf=alloc_conf, inference=inference,
-                   retried=retried, top_line=top_line, causes=causes,
-                   batch=batch_var or "BATCH", accum=accum_var or "ACCUM", api=api)
-    return Diagnosis(causes=causes, summary=_summary(causes, context), advice=_advice(causes, context),
-                     holders=held)
+    ctx = Context(fields, facts, capacity, limited, tuple(held), found, estimated, tuple(causes))
+    return Diagnosis(causes=causes, summary=_summary(ctx), advice=_advice(ctx), holders=held)
 
 
 def _leaking(h: Holder, shortfall: int | None, capacity: int | None) -> bool:
@@ -186,21 +228,21 @@ def _where(fields: OomFields) -> str:
     return fields.device or {"mps": "mps", "simulated": "the simulated device"}.get(fields.backend, "the GPU")
 
 
-def _summary(causes: list[str], ctx: dict) -> str:
-    f: OomFields = ctx["fields"]
-    cap = ctx["capacity"]
+def _summary(ctx: Context) -> str:
+    f: OomFields = ctx.fields
+    cap = ctx.capacity
     head = "Possibly out of memory" if f.possible else "Out of memory"
     first = f"{head} on {_where(f)}"
     if f.requested is not None:
         first += f": tried to allocate {format_bytes(f.requested)}"
-        if ctx["limited"]:
+        if ctx.limited:
             first += f", with {format_bytes(cap)} allowed to this process"
         elif f.free is not None and cap is not None:
             first += f" with {format_bytes(f.free)} free of {format_bytes(cap)}"
         elif cap is not None:
             first += f" on a device of {format_bytes(cap)}"
-    phrases = [_phrase(c, ctx) for c in causes]
-    top = ctx["top_line"]
+    phrases = [_phrase(c, ctx) for c in ctx.causes]
+    top = ctx.top_line
     if top is not None:              # the black box: the line that held the most at the failure
         nbytes, code, where = top
         phrases[0] += f" ({format_bytes(nbytes)} was alive from `{code}` at {where})"
@@ -210,11 +252,11 @@ def _summary(causes: list[str], ctx: dict) -> str:
     return f"{first}. {second}."
 
 
-def _phrase(cause: str, ctx: dict) -> str:
-    f: OomFields = ctx["fields"]
-    cap, found = ctx["capacity"], ctx["found"]
+def _phrase(cause: str, ctx: Context) -> str:
+    f: OomFields = ctx.fields
+    cap, found = ctx.capacity, ctx.found
     if cause == "request_exceeds_capacity":
-        whole = "all this process may use" if ctx["limited"] else "the whole device"
+        whole = "all this process may use" if ctx.limited else "the whole device"
         return (f"a single allocation of {format_bytes(f.requested)} is larger than {whole} "
                 f"({format_bytes(cap)}), so no clean-up can make it fit")
     if cause == "too_large":
@@ -225,24 +267,24 @@ def _phrase(cause: str, ctx: dict) -> str:
         if f.allocated_by_torch is not None:
             return (f"the working set is too large: PyTorch held {format_bytes(f.allocated_by_torch)} and "
                     f"needed {format_bytes(f.requested)} more")
-        if ctx["peak"] is not None:
-            return (f"the working set is too large: the run peaked at {format_bytes(ctx['peak'])} and "
+        if ctx.peak is not None:
+            return (f"the working set is too large: the run peaked at {format_bytes(ctx.peak)} and "
                     f"needed {format_bytes(f.requested)} more")
         return f"the cell needs more memory than the {format_bytes(cap)} it may use"
     if cause == "fragmentation":
         return (f"{format_bytes(f.reserved_unallocated)} was cached by PyTorch but unallocated, in pieces "
                 "too small to use (fragmentation)")
     if cause == "other_processes":
-        if ctx["others_estimated"]:
+        if ctx.others_estimated:
             return (f"{format_bytes(found[cause])} is used outside PyTorch (other processes, or libraries "
                     "in this one)")
         return f"other processes hold {format_bytes(found[cause])} of the device"
     if cause == "free_reported":
         return _free_phrase(f)
     if cause == "names_holding":
-        top = ", ".join(f"{h.description} ({format_bytes(h.bytes)})" for h in ctx["held"][:3])
-        more = f" and {len(ctx['held']) - 3} more" if len(ctx["held"]) > 3 else ""
-        names = "names" if ctx.get("api") else "notebook names"
+        top = ", ".join(f"{h.description} ({format_bytes(h.bytes)})" for h in ctx.held[:3])
+        more = f" and {len(ctx.held) - 3} more" if len(ctx.held) > 3 else ""
+        names = "names" if ctx.api else "notebook names"
         return f"{names} keep {format_bytes(found[cause])} alive: {top}{more}"
     return _unknown_phrase(f)
 
@@ -284,10 +326,11 @@ _INFERENCE = {"batch": ("sequences", "generation", "kv_cache"), "accumulate": ()
 SHOWN = 5                             # the display shows this many: advice that must be seen goes above
 
 
-def _advice(causes: list[str], ctx: dict) -> list[Advice]:
+def _advice(ctx: Context) -> list[Advice]:
+    causes = ctx.causes
     advice, done = [], set()
     keys = [k for c in causes for k in _PLAN[c]] + list(_TAIL)
-    if ctx["inference"]:
+    if ctx.inference:
         keys = [k2 for k in keys for k2 in _INFERENCE.get(k, (k,))]
     items = {}
     for key in keys:
@@ -297,7 +340,7 @@ def _advice(causes: list[str], ctx: dict) -> list[Advice]:
     # fragmentation is named, %gpumem --processes for memory outside PyTorch), then the rest in order
     firsts = []
     for c in causes:
-        plan = [k2 for k in _PLAN[c] for k2 in (_INFERENCE.get(k, (k,)) if ctx["inference"] else (k,))]
+        plan = [k2 for k in _PLAN[c] for k2 in (_INFERENCE.get(k, (k,)) if ctx.inference else (k,))]
         first = next((k for k in plan if items.get(k) is not None), None)
         if first is not None and first not in firsts:
             firsts.append(first)
@@ -327,33 +370,33 @@ def _container(name: str) -> str | None:
 
 
 def _batch(ctx):
-    if ctx["retried"]:
+    if ctx.retried:
         return None                   # a smaller batch already fitted
-    if ctx["api"]:
-        line = f"@oomguard(retry=\"{ctx['batch']}\", accumulate=\"{ctx['accum']}\")"
-        return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx['batch']} "
-                      f"until it fits and raises {ctx['accum']} so that the effective batch stays the same.", line)
-    line = f"%%oomguard -r {ctx['batch']} -a {ctx['accum']}"
-    return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx['batch']} until it fits and raises "
-                  f"{ctx['accum']} so that the effective batch stays the same.", line)
+    if ctx.api:
+        line = f"@oomguard(retry=\"{ctx.batch}\", accumulate=\"{ctx.accum}\")"
+        return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx.batch} "
+                      f"until it fits and raises {ctx.accum} so that the effective batch stays the same.", line)
+    line = f"%%oomguard -r {ctx.batch} -a {ctx.accum}"
+    return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx.batch} until it fits and raises "
+                  f"{ctx.accum} so that the effective batch stays the same.", line)
 
 
 def _amp(ctx):
-    if ctx["amp"]:
+    if ctx.amp:
         return None
-    f = ctx["fields"]
+    f = ctx.fields
     device_type = {"cpu": "cpu", "simulated": "cpu", "mps": "mps", "xpu": "xpu"}.get(f.backend, "cuda")
     return Advice("Run in mixed precision: activations take half the memory, but autocast also keeps a "
                   "half-precision copy of the weights it casts, so a small model with few activations can "
                   "peak higher under it. In plain code: "
                   f"`with torch.autocast('{device_type}', dtype=torch.bfloat16):` around the forward pass "
-                  "and the loss.", "oomguard(amp=\"bf16\")" if ctx["api"] else "%%oomguard --amp bf16")
+                  "and the loss.", "oomguard(amp=\"bf16\")" if ctx.api else "%%oomguard --amp bf16")
 
 
 def _sequences(ctx):
-    if ctx["retried"]:
+    if ctx.retried:
         return None
-    line = f"@oomguard(retry=\"{ctx['batch']}\")" if ctx["api"] else f"%%oomguard -r {ctx['batch']}"
+    line = f"@oomguard(retry=\"{ctx.batch}\")" if ctx.api else f"%%oomguard -r {ctx.batch}"
     return Advice(f"Run fewer sequences per batch: without a graph, memory grows with the sequences in "
                   f"flight and their length (`{line}` finds a number that fits).", line)
 
@@ -370,9 +413,9 @@ def _kv_cache(ctx):
 
 
 def _accumulate(ctx):
-    return Advice(f"Keep the effective batch with gradient accumulation: run {ctx['accum']} smaller "
-                  f"batches, scale each loss by 1/{ctx['accum']}, and step the optimizer once after "
-                  "them.", f"(loss / {ctx['accum']}).backward()")
+    return Advice(f"Keep the effective batch with gradient accumulation: run {ctx.accum} smaller "
+                  f"batches, scale each loss by 1/{ctx.accum}, and step the optimizer once after "
+                  "them.", f"(loss / {ctx.accum}).backward()")
 
 
 def _checkpoint(ctx):
@@ -388,40 +431,40 @@ def _split(ctx):
 
 
 def _expandable(ctx):
-    f, conf = ctx["fields"], ctx["alloc_conf"] or ""
+    f, conf = ctx.fields, ctx.alloc_conf or ""
     if f.backend not in ("cuda", "hip", "cublas") or expandable_segments_on(conf):
         return None
     if (conf_value(conf, "backend") or "native").lower() != "native":
         return None
-    for_you = "" if ctx["api"] else " (%%oomguard can do it for you)"
+    for_you = "" if ctx.api else " (%%oomguard can do it for you)"
     return Advice("Switch on expandable_segments so that PyTorch's cache can grow segments instead of "
                   f"leaving unusable pieces; this line keeps your other allocator settings{for_you}.",
                   expandable_segments_line(conf))
 
 
 def _freecuda(ctx):
-    if ctx["api"]:
+    if ctx.api:
         return Advice("Give back what the failed run and the cache hold.", "cuda_magic.release()")
     return Advice("Give back what the failed run and the cache hold (the kernel keeps running).",
                   "%freecuda")
 
 
 def _processes(ctx):
-    if ctx["fields"].backend not in _GPU_BACKENDS:
+    if ctx.fields.backend not in _GPU_BACKENDS:
         return None
     return Advice("See which processes use the GPU and close those you do not need (another notebook's "
                   "kernel, a finished training run, a data-loader still holding the device).",
-                  "nvidia-smi" if ctx["api"] else "%gpumem --processes")
+                  "nvidia-smi" if ctx.api else "%gpumem --processes")
 
 
 def _holders_where(ctx, test):
-    return [(h.description, v) for h in ctx["held"] if test(h) and (v := _variable(h.name))]
+    return [(h.description, v) for h in ctx.held if test(h) and (v := _variable(h.name))]
 
 
 def _detach(ctx):
-    need = ctx["fields"].requested if ctx["fields"].free is None or ctx["fields"].requested is None else max(
-        0, ctx["fields"].requested - ctx["fields"].free)
-    graphs = [h for h in ctx["held"] if _leaking(h, need, ctx["capacity"]) and _variable(h.name)]
+    need = ctx.fields.requested if ctx.fields.free is None or ctx.fields.requested is None else max(
+        0, ctx.fields.requested - ctx.fields.free)
+    graphs = [h for h in ctx.held if _leaking(h, need, ctx.capacity) and _variable(h.name)]
     if not graphs:
         return None
     # logged losses (scalars) are the classic case: name them before collected outputs
@@ -452,14 +495,14 @@ def _cpu_metrics(ctx):
 
 
 def _delete(ctx):
-    if "request_exceeds_capacity" in ctx["causes"]:
+    if "request_exceeds_capacity" in ctx.causes:
         return None                   # no clean-up makes one allocation larger than the device fit
     names = list(dict.fromkeys(v for _, v in _holders_where(ctx, lambda h: not _expected(h))))
     if not names:
         return None
     joined = " ".join(names)
     verb = "holds" if len(names) == 1 else "hold"
-    if ctx["api"]:
+    if ctx.api:
         return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: delete them, then release the "
                       "cache.", f"del {', '.join(names)}; cuda_magic.release()")
     return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: `del {', '.join(names)}` and "
@@ -468,7 +511,7 @@ def _delete(ctx):
 
 
 def _contiguous(ctx):
-    if ctx["fields"].backend != "cudnn":
+    if ctx.fields.backend != "cudnn":
         return None
     return Advice("If it still fails at a small batch it is not memory: cuDNN does not support the input. "
                   "Make it contiguous, or switch cuDNN off for that call.", "x = x.contiguous()")

@@ -102,7 +102,7 @@ def held_storages(value) -> dict[int, int]:
     storages = device_storages(value)
     sim = active_device()
     if sim is not None and storages and not has_gpu():
-        storages = {k: b for k, b in storages.items() if sim.counts_storage(k)}
+        storages = {k: b for k, b in storages.items() if sim.counts(k)}
     return storages
 
 

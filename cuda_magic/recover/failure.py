@@ -1,12 +1,11 @@
-"""The one path after an out-of-memory error, shared by `%%oomguard` (the engine), the Python API (its
-decorator, through the engine, and its context manager) and `%oomguard on`:
+"""The steps of the one path after an out-of-memory error, taken by the guarded run (recover/guarded.py)
+and by nothing else:
 
 1. `read_failure`: inside the `except` block, copy what the failure says into plain values (the parsed
-   message, the cell's failing line, the meter's counters at the failure);
+   message, the cell's failing line, the meter's counters at the failure, its tensors by kind);
 2. `release_failure`: outside it, clear the frames of the exception and everything chained to it, drop
    the notebook's references to it where asked, collect garbage, empty the allocator cache, and measure
-   what the device got back;
-3. `conclude`: the device after, the peak, and the diagnosis with the names that still hold memory.
+   what the device got back.
 
 The meter is the device that ran out (`meter_for_failure` picks it from the message where the caller
 did not choose one), so "before", "after" and "reclaimed" all speak of the same device.
@@ -18,9 +17,9 @@ from dataclasses import dataclass
 
 from cuda_magic.devices.meter import capacity_of
 from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
-from cuda_magic.oom.records import OomFields
+from cuda_magic.oom.findings import OomFields
 from cuda_magic.paths import is_library_file
-from cuda_magic.recover.cleanup import empty_caches, shared_holders
+from cuda_magic.recover.cleanup import empty_caches
 from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
 from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
 
@@ -98,10 +97,10 @@ def read_failure(exc: BaseException, meter, *, filename: str | None = None,
     (for a retry's prediction)."""
     from cuda_magic.recover.replay import read_model_calls
 
-    allocated = _read(meter.allocated)
+    allocated = read_counter(meter.allocated)
     where, replay = read_model_calls(exc.__traceback__) if progress else (None, None)
     return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
-                   allocated=allocated, reserved=_read(meter.reserved), by_kind=kinds_at_failure(meter, allocated),
+                   allocated=allocated, reserved=read_counter(meter.reserved), by_kind=kinds_at_failure(meter, allocated),
                    progress=where, replay=replay)
 
 
@@ -125,42 +124,12 @@ def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None
         drop_exception_refs(shell)
     gc.collect()
     empty_caches()
-    after = _read(meter.reserved)
+    after = read_counter(meter.reserved)
     if failure.reserved is None or after is None:
         return None
     reclaimed = max(0, failure.reserved - after)
     capacity = capacity_of(meter)
     return min(reclaimed, capacity) if capacity else reclaimed
-
-
-def finish_report(report: GuardReport, meter) -> None:
-    """The device after the run, and the highest peak of its attempts."""
-    from cuda_magic.devices.meter import metered_devices
-
-    report.after = metered_devices(meter)
-    peaks = [a.peak for a in report.attempts if a.peak is not None]
-    report.peaks[meter.key] = max(peaks) if peaks else None
-
-
-def conclude(report: GuardReport, meter, *, amp: bool = False, shell=None) -> None:
-    """Step 3: finish the report; after an OOM, diagnose it with the names that still hold memory (the
-    shell's user variables, or `__main__`'s in a script)."""
-    finish_report(report, meter)
-    if report.oom is None:
-        return
-    from cuda_magic.devices.allocator_conf import current_allocator_conf
-    from cuda_magic.oom.diagnosis import diagnose
-
-    bb = report.blackbox
-    failed = bb.failure if bb is not None else None
-    top = bb.top if bb is not None and bb.at == "failure" else None
-    report.diagnosis = diagnose(report.oom, holders=shared_holders(shell), amp=amp,
-                                device_capacity=capacity_of(meter), peak=report.peaks.get(meter.key),
-                                alloc_conf=current_allocator_conf(), limit=report.limit,
-                                batch_var=report.variable, accum_var=report.accumulate, api=report.api,
-                                inference=failed is not None and failed.grad_enabled is False,
-                                retried=report.outcome == Outcome.RECOVERED,
-                                top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None)
 
 
 def meter_for_failure(fields: OomFields):
@@ -169,13 +138,27 @@ def meter_for_failure(fields: OomFields):
 
     device = fields.device
     try:
-        meter, _ = choose_meter(device, None, None)
+        meter, _ = choose_meter(device)
     except (ValueError, RuntimeError, AssertionError):
-        meter, _ = choose_meter(None, None, None)
+        meter, _ = choose_meter()
     return meter
 
 
-def _read(counter) -> int | None:
+def cell_filename_of(tb) -> str | None:
+    """The filename IPython compiled the failing cell under: the first frame of the traceback that is a
+    cell (`%oomguard on` learns it only from the failure)."""
+    from cuda_magic.paths import is_cell_file
+
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if is_cell_file(name):
+            return name
+        tb = tb.tb_next
+    return None
+
+
+def read_counter(counter) -> int | None:
+    """A meter reading, None where the backend cannot give it now."""
     try:
         return counter()
     except (AssertionError, RuntimeError, OSError):

@@ -10,9 +10,9 @@ from enum import Enum
 
 from cuda_magic.reprs import Rendered, render
 
-from cuda_magic.devices.records import DeviceMemory
-from cuda_magic.memory.timeline import Timeline
-from cuda_magic.oom.records import Diagnosis, OomFields
+from cuda_magic.devices.readings import DeviceMemory
+from cuda_magic.memory.blackbox import BlackBox
+from cuda_magic.oom.findings import Diagnosis, OomFields
 
 HOLDERS_SHOWN = 6          # names kept alive, listed by name; the rest counted
 ATTEMPT_ROWS_SHOWN = 12    # attempts listed; beyond, the first and last half with a gap between
@@ -101,7 +101,7 @@ class GuardReport(Rendered):
     exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the run
     source: str = "%%oomguard"            # what guarded the run: '%%oomguard', '%oomguard on', 'oomguard'
     api: bool = False                     # run through the Python API: advice speaks of it, not of magics
-    blackbox: Timeline | None = None      # what the run did with memory, by line (None: not recorded)
+    blackbox: BlackBox | None = None      # what the run did with memory, by line (None: not recorded)
     timeline_requested: bool = False      # --timeline / timeline=True: show it for a run that fitted too
 
     def __post_init__(self):

@@ -137,6 +137,47 @@ def _share_of_bound(share: float, limit: int, m: Measured) -> str:
             f"leaves possible (it needed at least {format_bytes(m.needed_at_least)})")
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """A value to try next, why, and whether it comes from the model measured on slices of the batch."""
+
+    value: int
+    reason: str
+    measured: bool = False
+
+
+def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction | None:
+    """From the model measured on slices of the batch that failed at `m.value` (recover/replay.py):
+    MEASURED_SHARE of the largest value whose training step fits in `available` bytes."""
+    measured = m.measured_max(available, kept)
+    if measured is None:
+        return None
+    cost = m.progress.cost
+    return Prediction(int(measured * MEASURED_SHARE),
+                      f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
+                      f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
+                      f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
+                      + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s)",
+                      measured=True)
+
+
+def progress_prediction(m: Measured, available: int) -> Prediction:
+    """From a failure a known share of the way through the model's forward pass: the whole training step
+    estimated (`Measured.needed_estimate`), PROGRESS_SHARE of the value that fits in it."""
+    estimate = int(m.value * available / m.needed_estimate)
+    how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
+           else "the rest extrapolated")
+    return Prediction(int(estimate * PROGRESS_SHARE),
+                      f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
+                      f"{format_bytes(m.needed_at_least)} held {m.progress.share:.0%} of the way through the "
+                      f"model's forward pass, {how}")
+
+
+def bound_prediction(m: Measured, limit: int, share: float) -> Prediction:
+    """A share of the largest value a failure leaves possible (`limit`)."""
+    return Prediction(int(limit * share), _share_of_bound(share, limit, m))
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of n, smallest first: the values `--exact` allows, so that VAR x VAR2 equals n."""
     if n < 1:
@@ -318,7 +359,9 @@ class BatchSearch:
     def _go_down(self, hi: int) -> tuple[int | None, str]:
         if hi <= self.floor:
             return None, f"the floor {self.floor} ran out of memory"
-        value, why, measured = (self._predict_down(hi) if not self.search else None) or (*self._descend(hi), False)
+        predicted = self._predict_down(hi) if not self.search else None
+        value, why, measured = (predicted.value, predicted.reason, predicted.measured) if predicted is not None \
+            else (*self._descend(hi), False)
         failures = sum(not m.ok for m in self.history)
         # a prediction from a measured model below every value that failed is kept; any other after more
         # than one failure is cut to REPEAT_SHARE
@@ -349,56 +392,36 @@ class BatchSearch:
         first = m is self.history[0]
         return MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
 
-    def _predict_down(self, hi: int) -> tuple[int, str, bool] | None:
-        """-r: (value, reason, whether from a measured model). A failure whose model was measured on slices
-        of its batch (recover/replay.py) predicts the largest value that fits, and 95% of it is tried, at
-        most what the other failures leave possible; without one, the smallest of the other predictions: a
-        failure inside the model's forward pass, a known share of the way through it, predicts from the
-        whole pass extrapolated (the modules still to run taking what those before took); other failures
-        give their bound with a share."""
+    def _predict_down(self, hi: int) -> Prediction | None:
+        """-r: a failure whose model was measured on slices of its batch (recover/replay.py) predicts the
+        largest value that fits, at most what the other failures leave possible; without one, the smallest
+        of the other failures' predictions (from the share of the forward pass done, or from its bound)."""
         available = self._available()
         if available is None:
             return None
         # the gradients through the whole pass: with -a, or once a measured prediction did not fit
         kept = self.accumulating or any(not m.ok and m.value in self._measured_values for m in self.history)
-        measured_best, best, bounds = None, None, []
+        measured, other, bounds = [], [], []
         for m in self.history:
-            measured = m.measured_max(available, kept) if m.knows_progress else None
-            if measured is not None:
-                cost = m.progress.cost
-                value = int(measured * MEASURED_SHARE)
-                why = (f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
-                       f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
-                       f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
-                       + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s)")
-                if measured_best is None or value < measured_best[0]:
-                    measured_best = (value, why, True)
+            found = measured_prediction(m, available, kept) if m.knows_progress else None
+            if found is not None:
+                measured.append(found)
                 continue
             limit = self._failure_bound(m)
             if limit is None or limit >= hi:
                 continue      # a failure at a value far above the others: its bound says nothing more
             bounds.append((limit, m))
-            if m.knows_progress:
-                estimate = int(m.value * available / m.needed_estimate)
-                value = int(estimate * PROGRESS_SHARE)
-                how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
-                       else "the rest extrapolated")
-                why = (f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
-                       f"{format_bytes(m.needed_at_least)} held {m.progress.share:.0%} of the way through the model's "
-                       f"forward pass, {how}")
-            else:
-                share = self._retry_share(m)
-                value, why = int(limit * share), _share_of_bound(share, limit, m)
-            if best is None or value < best[0]:
-                best = (value, why, False)
-        if measured_best is None:
-            return best
-        value, why, _ = measured_best
+            other.append(progress_prediction(m, available) if m.knows_progress
+                         else bound_prediction(m, limit, self._retry_share(m)))
+        if not measured:
+            return min(other, key=lambda p: p.value, default=None)
+        best = min(measured, key=lambda p: p.value)
         for limit, m in bounds:
-            if limit < value:
-                value, why = limit, (f"{limit}, the most that the failure at {m.value} leaves possible (it needed at "
-                                     f"least {format_bytes(m.needed_at_least)}), below {why}")
-        return value, why, True
+            if limit < best.value:
+                best = Prediction(limit, f"{limit}, the most that the failure at {m.value} leaves possible (it "
+                                         f"needed at least {format_bytes(m.needed_at_least)}), below {best.reason}",
+                                  measured=True)
+        return best
 
     def _go_up(self, best: int, hi: int) -> tuple[int | None, str]:
         available = self._available()

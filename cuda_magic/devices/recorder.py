@@ -51,7 +51,7 @@ def _outward(frame):
         frame = frame.f_back
 
 
-class Failure:
+class RecordedFailure:
     """The request that did not fit, and the storages alive per site at that moment."""
 
     __slots__ = ("seconds", "requested", "allocated", "site", "attempt", "by_site", "grad_enabled")
@@ -88,7 +88,7 @@ class Recorder:
         self.peak_attempt = 0
         self.peak_by_site: dict[int, tuple[int, int]] = {}
         self._peak_stale = False
-        self.failures: list[Failure] = []
+        self.failures: list[RecordedFailure] = []
         self.notes: list[str] = []
 
     # -- setting up --------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ class Recorder:
         self.allocated = allocated
         self._append(OOM, requested, site, seconds)
         when = self.events[-1][0] if self.recording and self.events else (self.clock() - self.t0)
-        self.failures.append(Failure(when, requested, allocated, site, self.attempt, self._copy_sites(),
+        self.failures.append(RecordedFailure(when, requested, allocated, site, self.attempt, self._copy_sites(),
                                      grad_enabled))
 
     # -- reading -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The black box's record: the device's allocated memory over a guarded run (one trace per attempt), and
 what was alive at the failure (or at the peak), by line of code. Plain values, sizes in int bytes; built
-from a `devices.blackbox.Recorder` by `timeline_from`, drawn by the display layer.
+from a `devices.recorder.Recorder` by `blackbox_from`, drawn by the display layer.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.blackbox import BEFORE, Recorder
+from cuda_magic.devices.recorder import BEFORE, Recorder
 from cuda_magic.ipython import cell_label
 from cuda_magic.reprs import Rendered
 
@@ -58,7 +58,7 @@ class FailedRequest:
 
 
 @dataclass(repr=False)
-class Timeline(Rendered):
+class BlackBox(Rendered):
     """`report.blackbox`: what a guarded run did with memory, and which lines held it."""
 
     _html_repr = True
@@ -148,8 +148,8 @@ def _merge(uses: list[LineUse]) -> list[LineUse]:
     return sorted(rows.values(), key=lambda u: -u.bytes)
 
 
-def timeline_from(recorder: Recorder, *, device: str = "", capacity: int | None = None, limited: bool = False,
-                  lines: list[str] | None = None, failed: bool = True) -> Timeline:
+def blackbox_from(recorder: Recorder, *, device: str = "", capacity: int | None = None, limited: bool = False,
+                  lines: list[str] | None = None, failed: bool = True) -> BlackBox:
     """The record of a recording. `lines`: the cell's source lines (for lines of the cell itself).
     `failed`: the run ended in an out-of-memory error (by line at the failure), else at the peak."""
     points = [(s, a, n, kind) for s, kind, _, a, _, n in recorder.events]
@@ -164,6 +164,6 @@ def timeline_from(recorder: Recorder, *, device: str = "", capacity: int | None 
         where = _line_use(recorder, failure.site, failure.requested, 1, lines) if failure.site != BEFORE else None
         request = FailedRequest(failure.requested, failure.seconds, failure.attempt, failure.allocated, where,
                                 failure.grad_enabled)
-    return Timeline(device=device, points=points, capacity=capacity, limited=limited, peak=recorder.peak,
+    return BlackBox(device=device, points=points, capacity=capacity, limited=limited, peak=recorder.peak,
                     peak_seconds=recorder.peak_seconds, peak_attempt=recorder.peak_attempt, failure=request,
                     by_line=by_line, at=at, dropped=recorder.dropped, notes=list(recorder.notes))

@@ -1,0 +1,383 @@
+"""The core: one guarded call, from start to result.
+
+A `GuardedRun` is the life of one guarded call on one meter. It runs the call (again, for a retry:
+recover/retrying.py), takes the one path after an out-of-memory error (inside the `except` block, read
+what the failure says; outside it, undo the attempt, release what the failure held, stop the black box)
+and builds the report. Nothing else writes the report. Its shapes:
+
+    result = GuardedRun(meter, options, ...).run(call)      # the core calls it (and again, for a retry)
+    report = run.begin(); ...; result = run.end(exc)       # a block runs in between (the `with` form)
+    run.record(); ...; result = run.end(exc)               # a cell runs under IPython's own handler
+                                                           # (`%oomguard on`); run.discard() if it fits
+
+`%%oomguard` (magics/guard.py), `%oomguard on` (magics/guard_all.py), the decorator and the `with` block
+(api.py) are adapters: they pass options in and read the `GuardResult` out.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from cuda_magic.devices.meter import autocast, capacity_of, metered_devices
+from cuda_magic.recover.failure import (Failure, cell_filename_of, error_text, kind_of, read_counter, read_failure,
+                                        release_failure, short_oom_error)
+from cuda_magic.recover.report import Attempt, GuardReport, Outcome
+
+
+@dataclass(frozen=True)
+class RetrySpec:
+    """`-r VAR [-a VAR2] [--min N] [--search] [--exact]`, checked already."""
+
+    variable: str
+    accumulate: str | None = None
+    floor: int = 1
+    search: bool = False
+    exact: bool = False          # with accumulate: only divisors of the effective batch (VAR x VAR2 exact)
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """How to guard a call, checked and parsed by the adapter."""
+
+    retry: RetrySpec | None = None
+    limit: int | None = None             # the cap in bytes (`-l`), resolved on the meter's capacity
+    amp: str | None = None               # 'bf16' / 'fp16': run under torch.autocast
+    timeline: bool | None = None         # None: record, shown after an OOM; True: shown always; False: off
+    source: str = "%%oomguard"           # what guards: '%%oomguard', '%oomguard on', 'oomguard'
+    api: bool = False                    # the Python API: advice speaks of it, not of magics or a kernel
+    filename: str | None = None          # the compiled cell, to say which of its lines failed
+    lines: tuple[str, ...] | None = None
+    shown_by_ipython: bool = False       # `%oomguard on`: IPython shows the error, so its traceback and
+                                         # chain are kept (their frames cleared) and IPython's references
+                                         # to it (`sys.last_*`, its stored traceback) dropped
+
+
+@dataclass
+class GuardResult:
+    """What a guarded call came to: the report, the call's value, the error to pass through untouched
+    (not out of memory), and the last out-of-memory failure."""
+
+    report: GuardReport
+    value: object = None
+    error: BaseException | None = None
+    failure: Failure | None = None
+
+    @property
+    def ran_out(self) -> bool:
+        """Out of memory, and nothing fitted: the caller raises `short_error()` (or returns)."""
+        return self.report.outcome == Outcome.OOM
+
+    def short_error(self):
+        """The short out-of-memory error to raise: it holds nothing of the failed run."""
+        return short_oom_error(self.report)
+
+
+@dataclass
+class AttemptResult:
+    """One run of the call: its attempt record, the call's value, the error to pass through."""
+
+    attempt: Attempt
+    value: object = None
+    error: BaseException | None = None
+    failure: Failure | None = None
+
+
+def _ignore(_):
+    return None
+
+
+class GuardedRun:
+    """One guarded call on `meter`.
+
+    values: the mapping that holds the retried variables (the user namespace, or the decorated function's
+    arguments). namespace: the user namespace, whose bindings an undone attempt restores and whose frames
+    a release never clears (None in a script). roots: further objects whose state (modules, optimizers)
+    the rollback keeps (a function's arguments and globals). shell: the IPython shell whose names the
+    diagnosis looks up (None: `__main__`'s). on_attempt(attempt) / on_note(text): called as each attempt
+    ends and as a note comes up, for a live display.
+    """
+
+    def __init__(self, meter, options: GuardOptions = GuardOptions(), *, values=None, namespace=None, roots=(),
+                 shell=None, on_attempt=None, on_note=None):
+        self.meter, self.options = meter, options
+        self.values, self.namespace, self.roots, self.shell = values, namespace, roots, shell
+        self.on_attempt = on_attempt or _ignore
+        self.on_note = on_note or _ignore
+        self.report = GuardReport(device=meter.key, limit=options.limit, source=options.source, api=options.api,
+                                  timeline_requested=bool(options.timeline))
+        self.recording = None           # devices/recording.py: the black box of this run
+        self.failure: Failure | None = None
+        self.why = ""                   # why the value about to run was chosen (the retry policy's words)
+        self._started = self._finished = False
+        self._block = None              # begin() / record(): (start allocated, t0, the entered contexts,
+                                        # whether the device's peak counter was reset for the run)
+        self._counters_read = True      # the attempts' peaks are the device's counters
+
+    # -- a call the core runs -------------------------------------------------------------------------
+    def run(self, call) -> GuardResult:
+        __tracebackhide__ = True  # noqa: F841
+        return run_sync(self.run_async(call))
+
+    async def run_async(self, call) -> GuardResult:
+        """`run` for a call that may return an awaitable: IPython awaits this for a cell with `await`."""
+        __tracebackhide__ = True  # noqa: F841
+        self.start()
+        value = error = None
+        try:
+            if self.options.retry is None:
+                result = await self.attempt(call)
+                value, error = result.value, result.error
+                self.report.outcome = result.attempt.outcome
+            else:
+                from cuda_magic.recover.retrying import run_retried
+
+                value, error = await run_retried(self, call)
+        except KeyboardInterrupt:
+            self.report.outcome = Outcome.INTERRUPTED
+            raise
+        finally:
+            self._finish()
+        if error is not None:
+            self.report.exception_text = error_text(error)
+        return GuardResult(self.report, value, error, self.failure)
+
+    async def attempt(self, call, value=None, *, undo=None) -> AttemptResult:
+        """Run and measure once. On an OOM: copy out what it says, `undo()` (the names the attempt bound),
+        then release what the failure held. KeyboardInterrupt is recorded and propagates. A call marked
+        `is_async` (a cell with top-level `await`) returns an awaitable, awaited here."""
+        __tracebackhide__ = True  # noqa: F841
+        meter = self.meter
+        start = read_counter(meter.allocated)
+        meter.reset_peak()
+        t0 = time.perf_counter()
+        if self.recording is not None:
+            self.recording.begin_attempt(len(self.report.attempts))
+        try:
+            with meter.running(self.options.limit), autocast(self.options.amp, meter):
+                out = call()
+                if getattr(call, "is_async", False) and inspect.isawaitable(out):
+                    out = await out
+        except KeyboardInterrupt:
+            self._pause()
+            self._record(Attempt(value, Outcome.INTERRUPTED, self._peak(), duration=time.perf_counter() - t0,
+                                 start_allocated=start))
+            raise
+        except Exception as exc:
+            attempt, failure = self._caught(exc, value, t0, start)
+            if failure is None:
+                return AttemptResult(self._record(attempt), error=exc)
+            failed = exc
+        else:
+            self._pause()
+            attempt = Attempt(value, Outcome.OK, self._peak(), duration=time.perf_counter() - t0,
+                              start_allocated=start)
+            return AttemptResult(self._record(attempt), value=out)
+        # outside the `except` block: the failed frames have finished and can be cleared
+        self._release(failed, failure, attempt, undo=undo)
+        del failed
+        return AttemptResult(self._record(attempt), failure=failure)
+
+    # -- a block between begin() and end() -----------------------------------------------------------
+    def begin(self) -> GuardReport:
+        """Start guarding a block that runs after this returns (the `with` form); `end(exc)` after it."""
+        self.start()
+        meter, stack = self.meter, ExitStack()
+        meter.reset_peak()
+        start = read_counter(meter.allocated)
+        if self.recording is not None:
+            self.recording.begin_attempt(0)
+        stack.enter_context(meter.running(self.options.limit))
+        stack.enter_context(autocast(self.options.amp, meter))
+        self._block = (start, time.perf_counter(), stack, True)
+        return self.report
+
+    def record(self) -> None:
+        """Start the black box of a cell that IPython runs itself (`%oomguard on`); nothing else is
+        touched (the device's own peak counter is the user's). Then `end(exc)`, or `discard()`."""
+        self._started = True
+        if self.options.timeline is not False:
+            self.recording = _start_recording(self.meter, None, find_cell=True)
+        self._block = (read_counter(self.meter.allocated), time.perf_counter(), ExitStack(), False)
+
+    def discard(self) -> None:
+        """The cell fitted and nobody asked for its report: stop recording, read nothing."""
+        recording, self.recording = self.recording, None
+        if recording is not None:
+            recording.discard()
+        self._finished = True
+
+    def end(self, exc: BaseException | None) -> GuardResult:
+        """The block or cell ended, with `exc` (None: it fitted). Also for a failure the run saw no begin
+        of (`%oomguard on` on another device than the one recorded): the devices are read now."""
+        __tracebackhide__ = True  # noqa: F841
+        block, self._block = self._block, None
+        self._started = True
+        if not self.report.before:          # a cell IPython ran, read at the failure: it has already run
+            self.report.before = metered_devices(self.meter)
+        start, t0, stack, measured = block if block is not None else (None, time.perf_counter(), ExitStack(), False)
+        stack.close()
+        self._counters_read = measured
+        peak = self._peak() if measured else None
+        error = None
+        if exc is None:
+            self._pause()
+            attempt = self._record(Attempt(None, Outcome.OK, peak, duration=time.perf_counter() - t0,
+                                           start_allocated=start))
+        else:
+            attempt, failure = self._caught(exc, None, t0, start, peak=peak)
+            if failure is None:             # not out of memory: the caller lets it propagate untouched
+                error = exc
+                self.report.exception_text = error_text(exc)
+            else:
+                self._release(exc, failure, attempt)
+            self._record(attempt)
+        del exc
+        self.report.outcome = attempt.outcome
+        self._finish()
+        return GuardResult(self.report, error=error, failure=self.failure)
+
+    # -- the one path after a failure ------------------------------------------------------------------
+    def _caught(self, exc, value, t0, start, *, peak=...) -> tuple[Attempt, Failure | None]:
+        """Inside the `except` block, while the failed frames are alive: the attempt's record, and for an
+        out-of-memory error what it says (a fatal CUDA error gets its restart note in `kind_of`)."""
+        kind = kind_of(exc)
+        peak = self._peak() if peak is ... else peak
+        duration = time.perf_counter() - t0
+        if kind is not Outcome.OOM:
+            self._pause()
+            return Attempt(value, kind, peak, duration=duration, start_allocated=start), None
+        if self.recording is not None:
+            self.recording.failed()         # on CUDA: the history now, while the failed tensors are alive
+        self._pause()
+        options = self.options
+        filename = options.filename
+        if filename is None and options.shown_by_ipython:
+            filename = cell_filename_of(exc.__traceback__)
+        failure = read_failure(exc, self.meter, filename=filename, lines=options.lines,
+                               progress=options.retry is not None)
+        return Attempt(value, Outcome.OOM, peak, failure.oom.requested, duration, start), failure
+
+    def _release(self, exc, failure: Failure, attempt: Attempt, *, undo=None) -> None:
+        """Outside the `except` block: undo the attempt's bindings, free what the failure held, and put the
+        failure on the report."""
+        if undo is not None:
+            undo()
+        shown = self.options.shown_by_ipython
+        attempt.reclaimed = release_failure(exc, failure, self.meter, user_ns=self.namespace, sever=not shown,
+                                            shell=self.shell if shown else None)
+        report = self.report
+        report.oom, report.failure, report.by_kind = failure.oom, failure.point, failure.by_kind
+        if attempt.reclaimed is not None:
+            report.reclaimed[self.meter.key] = attempt.reclaimed     # per clean-up, never summed
+        self.failure = failure
+
+    def _record(self, attempt: Attempt) -> Attempt:
+        attempt.reason = self.why
+        self.report.attempts.append(attempt)
+        self.on_attempt(attempt)
+        return attempt
+
+    def note(self, text: str) -> None:
+        """A warning for the report, shown as it comes up too."""
+        self.report.warnings.append(text)
+        self.on_note(text)
+
+    def _peak(self) -> int | None:
+        return read_counter(self.meter.peak)
+
+    def _pause(self) -> None:
+        if self.recording is not None:
+            self.recording.pause()      # between attempts and after the end: the clean-up's frees are not the run's
+
+    # -- start and finish ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Read the device before the run, and start its black box. run() and begin() do it where it was
+        not done; a caller that shows the run while it goes calls it first."""
+        if self._started:
+            return
+        self._started = True
+        self.report.before = metered_devices(self.meter)
+        limit = self.options.limit
+        capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
+        if capacity is not None and limit > capacity:
+            from cuda_magic.units import format_bytes
+
+            self.note(f"the cap {format_bytes(limit)} is above the device's capacity ({format_bytes(capacity)}): "
+                      "the capacity is the limit")
+        if self.options.timeline is not False:
+            self.recording = _start_recording(self.meter, self.options.filename)
+
+    def _finish(self) -> None:
+        """The end of the run: the black box's record, the device after, the peak, and after an OOM the
+        diagnosis with the names that still hold memory. Once."""
+        if self._finished:
+            return
+        self._finished = True
+        report = self.report
+        recording, self.recording = self.recording, None
+        if recording is not None:
+            self._blackbox(recording)
+        report.after = metered_devices(self.meter)
+        box = report.blackbox
+        if not self._counters_read and box is not None and box.points:
+            for attempt in report.attempts:     # a cell IPython ran: the recording's peak is its own (the
+                attempt.peak = box.peak         # device's counter was not reset for it)
+        peaks = [a.peak for a in report.attempts if a.peak is not None]
+        report.peaks[self.meter.key] = max(peaks) if peaks else None
+        if report.oom is not None:
+            report.diagnosis = self._diagnose()
+
+    def _blackbox(self, recording) -> None:
+        from cuda_magic.memory.blackbox import BlackBox, blackbox_from
+
+        report, meter, limit = self.report, self.meter, self.options.limit
+        recorder = recording.stop()
+        if recorder is None:            # (no capacity asked: on an unused GPU that would start CUDA)
+            report.blackbox = BlackBox(device=meter.key, notes=recording.notes)
+            return
+        failed = any(a.outcome == Outcome.OOM for a in report.attempts)
+        lines = list(self.options.lines) if self.options.lines is not None else None
+        report.blackbox = blackbox_from(recorder, device=meter.key, capacity=limit or capacity_of(meter),
+                                        limited=limit is not None, lines=lines, failed=failed)
+
+    def _diagnose(self):
+        from cuda_magic.devices.allocator_conf import current_allocator_conf
+        from cuda_magic.oom.diagnosis import CellFacts, diagnose
+        from cuda_magic.recover.cleanup import shared_holders
+
+        report = self.report
+        box = report.blackbox
+        failed = box.failure if box is not None else None
+        top = box.top if box is not None and box.at == "failure" else None
+        facts = CellFacts(
+            holders=tuple(shared_holders(self.shell)), amp=self.options.amp is not None,
+            device_capacity=capacity_of(self.meter), peak=report.peaks.get(self.meter.key),
+            alloc_conf=current_allocator_conf(), limit=report.limit, batch_var=report.variable,
+            accum_var=report.accumulate, api=report.api,
+            inference=failed is not None and failed.grad_enabled is False,
+            retried=report.outcome == Outcome.RECOVERED,
+            top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None)
+        return diagnose(report.oom, facts)
+
+
+def _start_recording(meter, filename: str | None, *, find_cell: bool = False):
+    """The black box of one run on the meter's device (devices/recording.py), started."""
+    from cuda_magic.devices.recording import Recording
+
+    recording = Recording(meter, cell_filename=filename, find_cell=find_cell)
+    recording.start()
+    return recording
+
+
+def run_sync(coroutine):
+    """Run a coroutine that never suspends (a call without `await`) to its end: what IPython's own
+    pseudo-sync runner does."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coroutine.close()
+    raise RuntimeError("the guarded call awaited something; run it with `await run.run_async(...)`")
