@@ -134,7 +134,12 @@ def _execute(notebook_path: Path, venv: Path):
     manager = KernelManager(kernel_name="binder", kernel_spec_manager=specs)
     client = NotebookClient(notebook, km=manager, timeout=CELL_TIMEOUT_S,
                             resources={"metadata": {"path": str(notebook_path.parent)}})
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        # nbclient shuts down only the kernels it started itself: one it is given (km=) is ours to stop
+        if manager.has_kernel:
+            manager.shutdown_kernel(now=True)
     return notebook
 
 

@@ -269,8 +269,34 @@ def test_flags_that_cannot_go_together_are_one_line_usage_errors_that_change_not
 
 
 @pytest.mark.parametrize("a, b", [p for p in PAIRS if not _impossible(*p)])
-def test_flags_that_go_together_run(tip, a, b):
-    tip.run_line_magic("gpumem", f"{FLAGS[a]} {FLAGS[b]} -q")
+def test_flags_that_go_together_run(tip, capsys, a, b):
+    """Each pair that may go together does what both flags say: -q shows nothing, -o returns the object
+    (the snapshot, its diff, the --history frame), -d keeps that device, -n that many rows, --simulate
+    switches the device on, --watch / --unwatch the per-cell line."""
+    import pandas as pd
+
+    from cuda_magic.devices.simulated import active_device
+    from cuda_magic.magics.state import get_state
+    from cuda_magic.memory.snapshot import Snapshot
+
+    capsys.readouterr()
+    value = tip.run_line_magic("gpumem", f"{FLAGS[a]} {FLAGS[b]} -q")
+    assert capsys.readouterr().out == ""
+    flags = {a, b}
+    if "-o" not in flags:
+        assert value is None
+    elif "--history" in flags:
+        assert isinstance(value, pd.DataFrame)
+    else:
+        assert isinstance(value, Snapshot)
+        if "-d" in flags:
+            assert [d.key for d in value.device_list] == ["cpu"]
+        if "-n" in flags:
+            assert value.top == 3
+    device = active_device()
+    assert (device is not None and device.capacity == 64 * 2**20) == ("--simulate" in flags)
+    watcher = get_state(tip).watcher
+    assert (watcher is not None and watcher.active) == ("--watch" in flags)
 
 
 def test_activations_a_logged_loss_keeps_are_named_by_its_graph(tip):

@@ -23,18 +23,18 @@ LAYERS = {
 DEFERRED_UP = {("cuda_magic.reprs", "cuda_magic.display.render")}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path):
+def imports_of(path: Path, package: Path = PACKAGE):
     """(imported module, names, at module level?) for every import of the package in a file."""
     tree = ast.parse(path.read_text())
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    me = module_name(path, package)
+    parent = me if path.name == "__init__.py" else me.rpartition(".")[0]
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
@@ -50,7 +50,7 @@ def imports_of(path: Path):
             names = [a.name for a in node.names]
             # `from cuda_magic.devices import nvml` imports a module
             for n in list(names):
-                if (PACKAGE.parent / target.replace(".", "/") / f"{n}.py").exists():
+                if (package.parent / target.replace(".", "/") / f"{n}.py").exists():
                     found.append((f"{target}.{n}", [], id(node) in top_level))
                     names.remove(n)
             if names:
@@ -69,14 +69,14 @@ def layer_of(module: str) -> int:
     return LAYERS[key]
 
 
-def all_modules():
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def all_modules(package: Path = PACKAGE):
+    return {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
 
-def test_each_module_imports_only_its_layer_and_below():
+def test_each_module_imports_only_its_layer_and_below(package: Path = PACKAGE):
     wrong = []
-    for me, path in all_modules().items():
-        for target, _, _ in imports_of(path):
+    for me, path in all_modules(package).items():
+        for target, _, _ in imports_of(path, package):
             if target == "cuda_magic" and me != "cuda_magic":
                 wrong.append(f"{me} imports the package itself: import the module that defines the name")
             elif layer_of(target) > layer_of(me) and (me, target) not in DEFERRED_UP:
@@ -91,10 +91,10 @@ def test_the_one_upward_import_is_deferred():
         assert kinds == [False], f"{me} must import {target} inside a function only"
 
 
-def test_no_private_name_crosses_a_module():
+def test_no_private_name_crosses_a_module(package: Path = PACKAGE):
     wrong = [f"{me} imports {n} from {target}"
-             for me, path in all_modules().items()
-             for target, names, _ in imports_of(path) if target != me
+             for me, path in all_modules(package).items()
+             for target, names, _ in imports_of(path, package) if target != me
              for n in names if n.startswith("_") and not n.startswith("__")]
     assert not wrong, "\n".join(wrong)
 
@@ -124,19 +124,114 @@ def test_no_import_circle():
     assert not cycles, "\n".join(cycles)
 
 
-def test_the_layer_table_catches_an_upward_import(tmp_path, monkeypatch):
-    """The checks above can fail: a devices module that imports the display is reported."""
-    bad = PACKAGE / "devices" / "zz_layer_probe.py"
-    bad.write_text("from cuda_magic.display.show import show\nfrom cuda_magic.units import _private\n")
-    try:
-        import pytest
+# -- the core and its adapters ------------------------------------------------------------------------
+# The one path after an out-of-memory error is the core's (recover/guarded.py, with its retry loop): its
+# steps are called there and nowhere else, and the guard report is written there alone (the release
+# report by the clean-up that makes it); every other module (the magics, the API, the display) reads.
+CORE = {"cuda_magic.recover.guarded", "cuda_magic.recover.retrying"}
+FAILURE_STEPS = {
+    "cuda_magic.recover.failure": {"read_failure", "release_failure", "kinds_at_failure"},
+    "cuda_magic.memory.blackbox": {"blackbox_from"},
+    "cuda_magic.devices.recording": {"Recording"},
+    "cuda_magic.recover.notebook_refs": {"drop_exception"},
+}
+# the modules that define the steps, and the clean-up of %freecuda, which drops the notebook's references
+DEFINERS = {"cuda_magic.recover.failure", "cuda_magic.recover.cleanup", "cuda_magic.devices.recording",
+            "cuda_magic.memory.blackbox", "cuda_magic.recover.notebook_refs"}
+REPORT_WRITERS = CORE | {"cuda_magic.recover.report", "cuda_magic.recover.cleanup"}
 
-        with pytest.raises(AssertionError, match="zz_layer_probe .layer 1. imports cuda_magic.display.show"):
-            test_each_module_imports_only_its_layer_and_below()
-        with pytest.raises(AssertionError, match="imports _private from cuda_magic.units"):
-            test_no_private_name_crosses_a_module()
-    finally:
-        bad.unlink()
+
+def test_the_failure_path_is_taken_by_the_core_alone(package: Path = PACKAGE):
+    wrong = []
+    for me, path in all_modules(package).items():
+        if me in CORE or me in DEFINERS:
+            continue
+        for target, names, _ in imports_of(path, package):
+            steps = FAILURE_STEPS.get(target, set()) & set(names)
+            if steps:
+                wrong.append(f"{me} takes the core's steps {sorted(steps)} from {target}: ask a GuardedRun")
+    assert not wrong, "\n".join(wrong)
+
+
+def _report_writes(path: Path) -> list[str]:
+    """`report.x = ...`, `report.x += ...`, `report.x[k] = ...`, `report.x.append(...)` and the like."""
+    def on_report(node) -> bool:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+            if isinstance(node, ast.Name) and node.id == "report":
+                return True
+            if isinstance(node, ast.Attribute) and node.attr == "report":
+                return True
+        return False
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "append", "extend", "insert", "update", "pop", "remove", "clear", "setdefault"):
+            targets = [node.func.value]
+        for t in targets:
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and (on_report(t) or (
+                    isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "report")):
+                found.add(node.lineno)
+    return [f"{path.name}:{n}" for n in sorted(found)]
+
+
+def test_the_report_is_written_by_the_core_alone(package: Path = PACKAGE):
+    wrong = [f"{me} writes the report ({', '.join(lines)})"
+             for me, path in all_modules(package).items() if me not in REPORT_WRITERS
+             for lines in [_report_writes(path)] if lines]
+    assert not wrong, "\n".join(wrong)
+
+
+def _copy_of_the_package(tmp_path) -> Path:
+    import shutil
+
+    copy = tmp_path / "cuda_magic"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_the_checks_catch_an_upward_import_and_a_private_name(tmp_path):
+    """The checks above can fail: on a copy of the package, a devices module that imports the display and
+    a private name is reported (the source tree is not touched)."""
+    import pytest
+
+    copy = _copy_of_the_package(tmp_path)
+    (copy / "devices" / "zz_layer_probe.py").write_text(
+        "from cuda_magic.display.show import show\nfrom cuda_magic.units import _private\n")
+    with pytest.raises(AssertionError, match="zz_layer_probe .layer 1. imports cuda_magic.display.show"):
+        test_each_module_imports_only_its_layer_and_below(copy)
+    with pytest.raises(AssertionError, match="imports _private from cuda_magic.units"):
+        test_no_private_name_crosses_a_module(copy)
+    assert not (PACKAGE / "devices" / "zz_layer_probe.py").exists()
+
+
+def test_the_checks_catch_a_second_copy_of_the_failure_path(tmp_path):
+    """An adapter that releases the failure and finishes the black box itself, and writes the report, is
+    reported: a second copy of the sequence after a failure cannot come back unseen."""
+    import pytest
+
+    copy = _copy_of_the_package(tmp_path)
+    (copy / "magics" / "zz_second_path.py").write_text(
+        "from cuda_magic.recover.failure import read_failure, release_failure\n"
+        "from cuda_magic.memory.blackbox import blackbox_from\n\n\n"
+        "def handler(exc, meter, recorder, report):\n"
+        "    failure = read_failure(exc, meter)\n"
+        "    report.oom = failure.oom\n"
+        "    report.warnings.append('copied')\n"
+        "    release_failure(exc, failure, meter)\n"
+        "    report.blackbox = blackbox_from(recorder)\n")
+    with pytest.raises(AssertionError, match=r"zz_second_path takes the core's steps \['read_failure', "
+                                             r"'release_failure'\]"):
+        test_the_failure_path_is_taken_by_the_core_alone(copy)
+    with pytest.raises(AssertionError, match=r"zz_second_path writes the report \(zz_second_path.py:7, "
+                                             r"zz_second_path.py:8, zz_second_path.py:10\)\n"):
+        test_the_report_is_written_by_the_core_alone(copy)
 
 
 def test_no_module_at_the_top_but_the_api_and_shared_helpers():
@@ -145,10 +240,12 @@ def test_no_module_at_the_top_but_the_api_and_shared_helpers():
 
 
 def test_the_text_and_html_forms_draw_from_layout_only():
-    """What the forms share (bar parts, titles, attempt rows) is decided once, in display/layout.py."""
+    """What the forms share (bar parts, titles, attempt rows) is decided once, in display/layout.py; they
+    draw with display/elements.py and include the black box's view (display/blackbox_view.py) directly."""
     for form in ("text", "html"):
         drawn_from = {t for t, _, _ in imports_of(PACKAGE / "display" / f"{form}.py") if t.startswith("cuda_magic.display")}
-        assert drawn_from == {"cuda_magic.display.layout"}, (form, drawn_from)
+        assert drawn_from == {"cuda_magic.display.layout", "cuda_magic.display.elements",
+                              "cuda_magic.display.blackbox_view"}, (form, drawn_from)
     assert not [t for t, _, _ in imports_of(PACKAGE / "display" / "layout.py") if t.startswith("cuda_magic.display")]
 
 

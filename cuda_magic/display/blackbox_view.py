@@ -1,14 +1,12 @@
 """The black box drawn: the timeline as an inline SVG step chart (display/chart.py: no script, nothing
 fetched) with the table "alive at the failure, by line" in HTML and widget forms, and a sparkline per
-attempt with the same table in text. The guard report's forms include these through the record
-(`reprs.render(report.blackbox, ...)`)."""
+attempt with the same table in text. The guard report's forms (html.py, text.py) include them."""
 from __future__ import annotations
 
 from html import escape
 
 from cuda_magic.display.chart import PALETTE, Chart, Marker, Series, sparkline, svg
-from cuda_magic.display.html import CODE, MUTED, html_table
-from cuda_magic.display.text import shorten, table
+from cuda_magic.display.elements import CODE, MUTED, box, html_table, shorten, table
 from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
 
@@ -149,3 +147,8 @@ def timeline_html(tl) -> str:
         out.append(f'<div style="{MUTED}">note: the oldest {tl.dropped} events were dropped from the timeline; '
                    "the table is exact</div>")
     return "".join(out)
+
+
+def blackbox_html(tl) -> str:
+    """The black box as one self-contained HTML block: what a report and the record's own repr show."""
+    return box(timeline_html(tl), "cuda-magic-blackbox")

@@ -18,7 +18,7 @@ import time
 import warnings
 from html import escape
 
-from cuda_magic.display.html import BAR, BOX, COLORS, MUTED, PEAK_COLOR
+from cuda_magic.display.elements import BAR, BOX, COLORS, MUTED, PEAK_COLOR
 from cuda_magic.display.show import display_form, publish
 from cuda_magic.ipython import current_shell
 from cuda_magic.units import format_bytes

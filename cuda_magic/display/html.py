@@ -9,55 +9,15 @@ from __future__ import annotations
 from html import escape
 
 from cuda_magic.devices.readings import PARTS
+from cuda_magic.display.blackbox_view import blackbox_html as box_html
+from cuda_magic.display.elements import BAR, CODE, COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box, html_table
 from cuda_magic.display.layout import kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
-from cuda_magic.reprs import render
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
                                        percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
                                        hidden_tensors, oom_items, oom_title, guard_title, value_words, value_reason,
                                        reclaimed_words, attempt_rows, attempt_headers, watch_line)
-
-COLORS = {
-    "torch_allocated": "#1f5fbf",      # strong blue
-    "torch_cached": "#8db9ec",         # light blue
-    "other_this_process": "#8e5cc4",   # purple
-    "other_processes": "#f28e2b",      # orange
-    "free": "#e4e4e4",                 # light grey
-    UNKNOWN: "#b0b0b0",                # mid grey: the backend does not say
-}
-PEAK_COLOR = "#0b3a80"
-OUTCOME_COLORS = {"ok": "#2e7d32", "oom": "#c62828", "error": "#c62828", "interrupted": "#a15c00"}
-
-BOX = ("font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;font-size:13px;line-height:1.45;"
-       "max-width:860px")
-BAR = ("display:flex;width:100%;height:18px;border:1px solid rgba(128,128,128,.6);border-radius:3px;"
-       "overflow:hidden;box-sizing:border-box;margin:3px 0")
-TABLE = "border-collapse:collapse;margin:4px 0 6px 0;font-size:12.5px"
-TH = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.5);font-weight:600"
-TD = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.18)"
-NUM = ";text-align:right;font-variant-numeric:tabular-nums"
-CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:rgba(128,128,128,.15);"
-        "padding:1px 5px;border-radius:3px")
-MUTED = "opacity:.72"
-
-
-def box(inner: str, cls: str = "") -> str:
-    classes = f"cuda-magic {cls}".strip()
-    return f'<div class="{classes}" style="{BOX}">{inner}</div>'
-
-
-def html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset(), cls: str = "",
-               raw: set[int] = frozenset()) -> str:
-    """A table; cells are escaped here, except those in the `raw` columns (already HTML)."""
-    head = "".join(f'<th style="{TH}{NUM if i in numeric else ""}">{escape(h)}</th>' for i, h in enumerate(headers))
-    body = "".join(
-        "<tr>" + "".join(f'<td style="{TD}{NUM if i in numeric else ""}">{c if i in raw else escape(c)}</td>'
-                         for i, c in enumerate(row)) + "</tr>"
-        for row in rows)
-    cls_attr = f' class="{cls}"' if cls else ""
-    return f'<table{cls_attr} style="{TABLE}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
 
 def swatch(part: str) -> str:
     return (f'<span style="display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;'
@@ -316,8 +276,8 @@ def notes_html(report) -> str:
 
 
 def blackbox_html(report, running: bool = False) -> str:
-    """The report's black box (display/timeline.py, through the record), where the report says to show it."""
-    return render(report.blackbox, "html") if report.show_blackbox and not running else ""
+    """The report's black box (display/blackbox_view.py), where the report says to show it."""
+    return box_html(report.blackbox) if report.show_blackbox and not running else ""
 
 
 def guard_html(report, running: bool = False) -> str:

@@ -60,7 +60,7 @@ def forms_of(obj):
     if isinstance(obj, BlackBox):
         from cuda_magic.display import blackbox_view as TL
 
-        return (lambda: TL.timeline_text(obj), lambda: H.box(TL.timeline_html(obj), "cuda-magic-blackbox"), None)
+        return (lambda: TL.timeline_text(obj), lambda: TL.blackbox_html(obj), None)
     if isinstance(obj, ReleaseReport):
         return (lambda: T.release_text(obj), lambda: H.release_html(obj), None)
     if isinstance(obj, CellRecord):

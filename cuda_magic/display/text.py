@@ -15,7 +15,8 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        attempt_headers)
 from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
 from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
-from cuda_magic.reprs import render
+from cuda_magic.display.blackbox_view import timeline_text
+from cuda_magic.display.elements import shorten, table, wrap_items
 from cuda_magic.units import format_bytes, format_duration
 
 BAR_SYMBOLS = {
@@ -23,38 +24,6 @@ BAR_SYMBOLS = {
     "other_processes": "@", "free": ".", UNKNOWN: "?",
 }
 BAR_WIDTH = 50
-
-
-# ---- text helpers -----------------------------------------------------------------------------
-
-def shorten(text: str, width: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-
-    def line(cells):
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return (indent + "  ".join(parts)).rstrip()
-
-    return [line(headers)] + [line(r) for r in rows]
-
-
-def wrap_items(head: str, items: list[str], width: int = 100) -> list[str]:
-    """`head item, item, ...` over as many lines as needed, never breaking inside an item."""
-    lines, line = [], head
-    for i, item in enumerate(items):
-        piece = item + ("," if i < len(items) - 1 else "")
-        if len(line) + 1 + len(piece) > width and line.strip():
-            lines.append(line)
-            line = "  " + piece
-        else:
-            line += " " + piece
-    return lines + [line]
 
 
 def guard_line(report) -> str:
@@ -243,7 +212,7 @@ def guard_text(report, running: bool = False) -> str:
     if report.by_kind:
         lines += kinds_text(report.device, report.by_kind, title="At the failure, by kind")
     if report.show_blackbox and not running:
-        lines.append(render(report.blackbox, "text"))     # display/timeline.py, through the record
+        lines.append(timeline_text(report.blackbox))
     diag = report.diagnosis
     if diag is not None:
         lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")

@@ -5,13 +5,16 @@ and `w._dom_classes` work) and knows its own text and HTML forms, so that a disp
 carries text/html and text/plain with the same facts. ipywidgets is imported when a widget is built.
 
 CSS classes, a contract with the browser tests: the root has `cuda-magic-widget`; each memory bar
-`cuda-magic-bar`; each of its segments `cuda-magic-part-<part>` (parts from model.PARTS, plus
+`cuda-magic-bar`; each of its segments `cuda-magic-part-<part>` (parts from devices/readings.PARTS, plus
 `unknown`); the guard's sections `cuda-magic-guard`, `cuda-magic-attempts`, `cuda-magic-diagnosis`,
 `cuda-magic-reclaimed`; the --watch rows `cuda-magic-watch`.
 """
 from __future__ import annotations
 
+from html import escape
+
 from cuda_magic.display import html as H
+from cuda_magic.display.elements import BOX, COLORS, MUTED
 from cuda_magic.display import layout as L
 from cuda_magic.display import text as T
 from cuda_magic.display.history import history_html, history_text
@@ -29,7 +32,7 @@ def ipywidgets():
 
 def fragment(html: str) -> str:
     """An HTML widget's value: our own font and line height (the widget's default line height is 28px)."""
-    return f'<div style="{H.BOX}">{html}</div>' if html else ""
+    return f'<div style="{BOX}">{html}</div>' if html else ""
 
 
 def with_classes(w, *classes: str):
@@ -76,8 +79,8 @@ def bar_widget(dev):
     for (part, nbytes), width in zip(segments, widths):
         title = H.segment_title(dev, part, nbytes)
         seg = widgets.HTML(
-            value=(f'<div title="{H.escape(title)}" style="width:100%;height:18px;'
-                   f'background:{H.COLORS[part]}"></div>'),
+            value=(f'<div title="{escape(title)}" style="width:100%;height:18px;'
+                   f'background:{COLORS[part]}"></div>'),
             layout=widgets.Layout(width=f"{width}%", height="18px", margin="0", padding="0", min_width="0",
                                   overflow="hidden", flex="0 0 auto"),
         )
@@ -85,7 +88,7 @@ def bar_widget(dev):
         if seg.has_trait("tooltip"):
             seg.tooltip = title
         if seg.style.has_trait("background"):
-            seg.style.background = H.COLORS[part]
+            seg.style.background = COLORS[part]
         children.append(with_classes(seg, f"cuda-magic-part-{part}"))
     bar = widgets.HBox(children, layout=widgets.Layout(
         width="100%", height="20px", border="1px solid #9e9e9e", margin="3px 0", overflow="hidden"))
@@ -107,12 +110,12 @@ class MemoryBarsWidget(RecordWidget):
         children = []
         for dev in self.devices:
             cap = T.format_bytes(dev.capacity) if dev.capacity is not None else "capacity not known"
-            head = widgets.HTML(fragment(f'<b>{H.escape(dev.key)}</b> {H.escape(dev.name)} '
-                                         f'<span style="{H.MUTED}">· {cap}</span>'))
+            head = widgets.HTML(fragment(f'<b>{escape(dev.key)}</b> {escape(dev.name)} '
+                                         f'<span style="{MUTED}">· {cap}</span>'))
             bar = bar_widget(dev)
             self.bars.append(bar)
-            notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in dev.notes)
-            peak = f"<div>{H.escape(L.peak_words(dev.peak, dev.peak_exact))}</div>"
+            notes = "".join(f'<div style="{MUTED}">note: {escape(n)}</div>' for n in dev.notes)
+            peak = f"<div>{escape(L.peak_words(dev.peak, dev.peak_exact))}</div>"
             figures = widgets.HTML(fragment(H.legend_html(dev) + peak + notes))
             device_box = widgets.VBox([head, bar, figures], layout=widgets.Layout(margin="0 0 8px 0"))
             children.append(with_classes(device_box, "cuda-magic-device"))
@@ -132,7 +135,7 @@ class SnapshotWidget(RecordWidget):
         widgets = ipywidgets()
         self.snapshot = snap
         self.memory = MemoryBarsWidget(snap.device_list)
-        notes = "".join(f'<div style="{H.MUTED}">note: {H.escape(n)}</div>' for n in snap.notes)
+        notes = "".join(f'<div style="{MUTED}">note: {escape(n)}</div>' for n in snap.notes)
         notes = widgets.HTML(fragment(notes))
         procs = H.processes_html(snap.processes) if snap.processes else ""
         tables = widgets.HTML(fragment(H.tensors_html(snap) + procs))
@@ -223,7 +226,7 @@ class WatchWidget(RecordWidget):
 
     def _render(self) -> None:
         if len(self.records) == 1:
-            line = H.escape(L.watch_line(self.records[0]))
+            line = escape(L.watch_line(self.records[0]))
             self.table.value = fragment(f'<div style="font-size:12.5px">{line}</div>')
             return
         self.table.value = fragment(history_html(self.records))

@@ -1,4 +1,4 @@
-"""`%freecuda`: give device memory back without a restart. A thin layer over release.py."""
+"""`%freecuda`: give device memory back without a restart. A thin layer over recover/cleanup.py."""
 from __future__ import annotations
 
 from IPython.core.error import UsageError
@@ -21,7 +21,7 @@ class FreeMagics(Magics):
     def freecuda(self, line=""):
         """Drop what only the notebook machinery holds (last error, output cache), collect garbage, empty
         the allocator cache, and report the bytes freed and the variables that still hold device memory."""
-        from cuda_magic.recover.cleanup import MissingNames, all_device_variables, free_variables, release
+        from cuda_magic.recover.cleanup import MissingNames, free_all_variables, free_variables, release
 
         args = parse_args(self.freecuda, line)
         for name in args.names:
@@ -31,18 +31,15 @@ class FreeMagics(Magics):
             raise UsageError("--offload needs the variables to move: %freecuda --offload NAME ...")
         if args.all_vars and args.names:
             raise UsageError("give NAME ... or --all, not both")
-        names = list(args.names)
         if args.all_vars:
-            names = all_device_variables(self.shell)
-        if names:
+            report = free_all_variables(self.shell, offload=args.offload, dry_run=args.dry_run)
+        elif args.names:
             try:
-                report = free_variables(self.shell, names, offload=args.offload, dry_run=args.dry_run)
+                report = free_variables(self.shell, args.names, offload=args.offload, dry_run=args.dry_run)
             except MissingNames as exc:
                 raise UsageError(f"%freecuda: {exc}") from None
         else:
             report = release(self.shell, dry_run=args.dry_run)
-        if args.all_vars and not names:
-            report.notes.append("--all: no user variable holds device tensors")
         if not args.quiet:
             from cuda_magic.display.show import show
 

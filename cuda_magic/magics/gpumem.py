@@ -102,7 +102,6 @@ class GpumemMagics(Magics):
             snap.device_list = [d for d in snap.device_list if d.key == key]
             snap.processes = [p for p in snap.processes if p.device == key]
             snap.tensor_list = [t for t in snap.tensor_list if _on(t.device, key)]
-        snap.show_processes = args.processes
         previous, state.last_snapshot = state.last_snapshot, snap
         if args.diff:
             if previous is None:

@@ -52,9 +52,9 @@ class ExtensionState:
         self.stop_simulated()
 
 
-def get_state(shell, create: bool = False) -> ExtensionState | None:
+def get_state(shell) -> ExtensionState | None:
     """The state of cuda_magic in `shell`, found on the Magics objects it registered; None where the
-    extension is not loaded. (`create` is accepted for old callers: the state exists from `%load_ext` on.)"""
+    extension is not loaded."""
     manager = getattr(shell, "magics_manager", None)
     for instance in list(getattr(manager, "registry", {}).values()):
         state = getattr(instance, "cuda_magic_state", None)

@@ -209,3 +209,14 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
             del value
 
     return _release(shell, dry_run=False, change_namespace=change_namespace, report=report)
+
+
+def free_all_variables(shell, *, offload: bool = False, dry_run: bool = False) -> ReleaseReport:
+    """`%freecuda --all`: every user variable that holds device tensors, deleted (or offloaded), listed."""
+    shell = shell_or_current(shell)
+    names = all_device_variables(shell)
+    if names:
+        return free_variables(shell, names, offload=offload, dry_run=dry_run)
+    report = release(shell, dry_run=dry_run)
+    report.notes.append("--all: no user variable holds device tensors")
+    return report

@@ -206,8 +206,9 @@ class GuardReport(Rendered):
 
 @dataclass(repr=False)
 class ReleaseReport(Rendered):
-    _html_repr = False
     """What a release (`%freecuda`, the clean-up after an OOM) dropped and gave back."""
+
+    _html_repr = False
 
     dropped: list[str] = field(default_factory=list)      # notebook references dropped, by name
     deleted: list[str] = field(default_factory=list)      # user variables deleted (named or --all)

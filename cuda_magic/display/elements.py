@@ -1,0 +1,80 @@
+"""What every form draws with: the HTML styles (inline only: no <style> block, no script, nothing
+fetched; colours that read on light and dark themes), boxes and tables with every user string escaped,
+and the text tables and wrapping of the plain-text form."""
+from __future__ import annotations
+
+from html import escape
+
+from cuda_magic.display.layout import UNKNOWN
+
+COLORS = {
+    "torch_allocated": "#1f5fbf",      # strong blue
+    "torch_cached": "#8db9ec",         # light blue
+    "other_this_process": "#8e5cc4",   # purple
+    "other_processes": "#f28e2b",      # orange
+    "free": "#e4e4e4",                 # light grey
+    UNKNOWN: "#b0b0b0",                # mid grey: the backend does not say
+}
+PEAK_COLOR = "#0b3a80"
+OUTCOME_COLORS = {"ok": "#2e7d32", "oom": "#c62828", "error": "#c62828", "interrupted": "#a15c00"}
+
+BOX = ("font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;font-size:13px;line-height:1.45;"
+       "max-width:860px")
+BAR = ("display:flex;width:100%;height:18px;border:1px solid rgba(128,128,128,.6);border-radius:3px;"
+       "overflow:hidden;box-sizing:border-box;margin:3px 0")
+TABLE = "border-collapse:collapse;margin:4px 0 6px 0;font-size:12.5px"
+TH = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.5);font-weight:600"
+TD = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.18)"
+NUM = ";text-align:right;font-variant-numeric:tabular-nums"
+CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:rgba(128,128,128,.15);"
+        "padding:1px 5px;border-radius:3px")
+MUTED = "opacity:.72"
+
+
+def box(inner: str, cls: str = "") -> str:
+    classes = f"cuda-magic {cls}".strip()
+    return f'<div class="{classes}" style="{BOX}">{inner}</div>'
+
+
+def html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset(), cls: str = "",
+               raw: set[int] = frozenset()) -> str:
+    """A table; cells are escaped here, except those in the `raw` columns (already HTML)."""
+    head = "".join(f'<th style="{TH}{NUM if i in numeric else ""}">{escape(h)}</th>' for i, h in enumerate(headers))
+    body = "".join(
+        "<tr>" + "".join(f'<td style="{TD}{NUM if i in numeric else ""}">{c if i in raw else escape(c)}</td>'
+                         for i, c in enumerate(row)) + "</tr>"
+        for row in rows)
+    cls_attr = f' class="{cls}"' if cls else ""
+    return f'<table{cls_attr} style="{TABLE}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+# ---- text -----------------------------------------------------------------------------------------
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells):
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return (indent + "  ".join(parts)).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
+def wrap_items(head: str, items: list[str], width: int = 100) -> list[str]:
+    """`head item, item, ...` over as many lines as needed, never breaking inside an item."""
+    lines, line = [], head
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if len(line) + 1 + len(piece) > width and line.strip():
+            lines.append(line)
+            line = "  " + piece
+        else:
+            line += " " + piece
+    return lines + [line]
