@@ -114,15 +114,24 @@ def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:
 
 
 def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None, sever: bool = True,
-                    shell=None) -> int | None:
+                    shell=None, start_allocated: int | None = None) -> int | None:
     """Step 2, outside the `except` block: free what the failed run held. `sever` also cuts the
     exception's traceback and chain (not when IPython still shows it, as under `%oomguard on`); `shell`
     also drops IPython's and `sys.last_*` references to the last error. Returns the bytes the device got
-    back (reserved at the failure less reserved now, at most the capacity), None where not measurable."""
+    back (reserved at the failure less reserved now, at most the capacity), None where not measurable.
+
+    With the failed frames cleared and the exception cut loose, what only they held is freed by reference
+    counting; what sits in reference cycles needs the collector. The young generations are collected
+    always (a millisecond); the whole heap (about 0.1 s in a notebook) only where the device still holds
+    more than when the run started (`start_allocated`; unknown: always), which is where a cycle can still
+    hold what the run made."""
     drop_exception(exc, user_ns=user_ns, sever=sever)
     if shell is not None:
         drop_exception_refs(shell)
-    gc.collect()
+    gc.collect(1)
+    now = read_counter(meter.allocated)
+    if start_allocated is None or now is None or now > start_allocated:
+        gc.collect()
     empty_caches()
     after = read_counter(meter.reserved)
     if failure.reserved is None or after is None:

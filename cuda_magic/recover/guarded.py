@@ -266,7 +266,8 @@ class GuardedRun:
             undo()
         shown = self.options.shown_by_ipython
         attempt.reclaimed = release_failure(exc, failure, self.meter, user_ns=self.namespace, sever=not shown,
-                                            shell=self.shell if shown else None)
+                                            shell=self.shell if shown else None,
+                                            start_allocated=attempt.start_allocated)
         report = self.report
         report.oom, report.failure, report.by_kind = failure.oom, failure.point, failure.by_kind
         if attempt.reclaimed is not None:
