@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 
 _KERNEL_CELL = re.compile(r"[/\\]ipykernel_\d+[/\\][^/\\]+\.py$")
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Python's own library (threading, copy, ...): a frame there is not the user's line either
+_STDLIB = tuple(dict.fromkeys(os.path.abspath(p) + os.sep for p in
+                              (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")) if p))
 
 
 def is_library_file(filename: str) -> bool:
-    """Files of installed packages (torch, numpy, ...) and of cuda_magic itself."""
+    """Files of installed packages (torch, numpy, ...), of Python's standard library and of cuda_magic."""
     name = filename.replace("\\", "/")
     return (filename.startswith(PACKAGE_DIR) or "/site-packages/" in name or "/dist-packages/" in name
-            or "/torch/" in name)
+            or "/torch/" in name or filename.startswith(_STDLIB))
 
 
 def is_cell_file(filename: str) -> bool:

@@ -1,199 +1,448 @@
-"""Checks that need a real CUDA GPU, in a real IPython shell. Skips cleanly (exit 0) without one.
+"""cuda_magic on a real GPU: a first-run script for one CUDA (or ROCm) GPU, in a real IPython shell.
 
-    python scripts/gpu_check.py [--out docs/gpu-check-YYYY-MM-DD.txt]
+    python3 scripts/gpu_check.py [--out docs/gpu-check-DATE.txt] [--only NAME[,NAME...]]
 
-Each line is PASS, FAIL or SKIP; exit status 1 if any check failed. What a GPU can show of issue 10:
- 1. `%load_ext cuda_magic`, `%gpumem` and `%gpumem --processes` create no CUDA context (finding 8), and
-    the process list does not crash on this driver / nvidia-ml-py pair (2).
- 2. The capacity `%gpumem` shows before torch starts CUDA (NVML's v2 total less reserved memory) is the
-    one torch reports once it has started (3).
- 3. With CUDA started, `%gpumem` agrees with torch's own figures (`mem_get_info`, `memory_allocated`,
-    `memory_reserved`) and its parts add up (4); each `cuda:N` is the NVML device of torch's UUID for N,
-    also where CUDA_VISIBLE_DEVICES lists UUIDs or the order is fastest first (4, 5); this process is
-    listed once per GPU (13).
- 4. `%gpumem --watch` records the cell that starts CUDA as a CUDA cell with its exact peak (12).
- 5. A real OOM under `%%oomguard -l` is recovered to the baseline, raises torch's OutOfMemoryError class
-    (1), and the memory fraction in force before (the user's own) is put back (7).
- 6. `%freecuda` returns cached memory to the device (NVML's free figure).
- 7. Switching expandable_segments on is reported as it is in force (9).
+The checks run in order of truth per minute (the most telling and quickest first, the slowest last), so
+a run cut short still leaves the most telling lines; each prints PASS, FAIL or SKIP with its figures, and
+an exception inside one is that check's FAIL, not the end of the run. NVML is started inside the checks,
+so a machine without it (ROCm) gets FAIL or SKIP lines, not a crash. Without a GPU every check is a SKIP
+and the exit status is 0; otherwise it is 1 when any check failed. About 2-4 minutes on one large GPU.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import textwrap
 import time
 import traceback
 
 MiB = 1024**2
+GiB = 1024**3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHECKS = [
+    ("context", "before CUDA starts: %load_ext and %gpumem create no CUDA context (NVML lists no process for "
+                "this pid); the capacity from NVML's v2 memory against torch.cuda.mem_get_info once started "
+                "(within 2 MiB)"),
+    ("gauge", "the live gauge's reader before and after CUDA starts: its figures against torch's and NVML's"),
+    ("watch", "%gpumem --watch: a cell's peak equals torch.cuda.max_memory_allocated() read at its end"),
+    ("oom-cap", "a real OOM under -l: the black box's failing request and its line, the by-line row of the big "
+                "tensor at its size, allocated at the failure against the message's 'allocated by PyTorch'"),
+    ("oom-uncapped", "torch.empty far beyond the card: the parsed fields against mem_get_info, memory_allocated "
+                     "and memory_reserved"),
+    ("backward", "an OOM in loss.backward() under -l (the forward pass fits): the backward phase, the cell line "
+                 "of backward(), a training advice"),
+    ("cudnn", "a convolution under a tight cap with --timeline: the out-of-memory errors cuDNN caught itself "
+              "against the oom entries of torch's own _snapshot()"),
+    ("ring", "tens of thousands of alloc/free pairs overflow the history's ring, then an OOM: allocated at the "
+             "failure and the by-line total against torch's figure"),
+    ("freecuda", "%freecuda gives the cache back (NVML's free figure); expandable_segments switched on at "
+                 "runtime (a RuntimeError is a FAIL)"),
+    ("processes", "subprocesses: backend:cudaMallocAsync with a guarded cell; CUDA_VISIBLE_DEVICES as a GPU- "
+                  "UUID prefix, 0 and empty; a second process holding 2 GiB (the other-process figure, "
+                  "--processes, the message's 'Process N has ...')"),
+    ("oomguard-on", "%oomguard on with a real OOM; a notebook through nbclient with a 2 s guarded cell (the "
+                    "widget and the gauge's outputs present)"),
+    ("retry", "-r on a CNN training cell under -l: 2 runs, within 15% of the largest value that fits, the model "
+              "and optimizer equal to one clean run at the value found"),
+]
+
+
+def parse_args(argv):
+    listed = "\n".join(textwrap.fill(f"{name}: {what}", 100, initial_indent="  ", subsequent_indent="      ")
+                       for name, what in CHECKS)
+    parser = argparse.ArgumentParser(
+        description="cuda_magic's checks on a real GPU, in order (each PASS, FAIL or SKIP with its figures)",
+        epilog="the checks:\n" + listed, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, metavar="FILE", help="also write the report to this file")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help="run only these checks (comma-separated names from the list below)")
+    args = parser.parse_args(argv)
+    if args.only:
+        unknown = set(args.only.split(",")) - {n for n, _ in CHECKS}
+        if unknown:
+            parser.error(f"no check named {', '.join(sorted(unknown))}")
+    return args
+
+
+class Report:
+    def __init__(self, out):
+        self.out = out
+        self.lines: list[str] = []
+        self.failed = 0
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+        print(text, flush=True)
+
+    def check(self, ok, name: str, what: str) -> None:
+        self.failed += ok is False
+        self.say(f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[ok] }  {name}: {what}")
+
+    def finish(self) -> int:
+        if self.out:
+            os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
+            with open(self.out, "w") as fh:
+                fh.write("\n".join(self.lines) + "\n")
+        return 1 if self.failed else 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="cuda_magic checks on a real GPU")
-    parser.add_argument("--out", default=None, help="also write the report to this file")
-    args = parser.parse_args(argv)
-    lines: list[str] = []
-    failed = 0
-
-    def say(text: str) -> None:
-        lines.append(text)
-        print(text, flush=True)
-
-    def report(ok: bool | None, what: str) -> None:
-        nonlocal failed
-        failed += ok is False
-        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
-        say(f"{mark}  {what}")
-
-    def check(name: str, fn) -> None:
-        """Run one numbered check; an exception is that check's FAIL, not the end of the script."""
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - a crash is a finding to report, then go on
-            report(False, f"{name}: raised {type(exc).__name__}: {exc}")
-            say("      " + traceback.format_exc().strip().replace("\n", "\n      "))
-
+    args = parse_args(argv)
+    report = Report(args.out)
     from IPython.testing.globalipapp import get_ipython
 
     ip = get_ipython()
     ip.run_line_magic("load_ext", "cuda_magic")
     import torch
 
-    say(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  torch {torch.__version__}  python "
-        f"{sys.version.split()[0]}  CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}  "
-        f"CUDA_DEVICE_ORDER={os.environ.get('CUDA_DEVICE_ORDER')!r}")
-    if torch.cuda.device_count() == 0:      # NVML-based: no CUDA context, no driver initialisation
-        report(None, "no CUDA GPU here: nothing to check")
-        return _finish(lines, args.out, 0)
-    import pynvml
+    report.say(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  python {sys.version.split()[0]}  torch "
+               f"{torch.__version__}  cuda {torch.version.cuda}  hip {torch.version.hip}  "
+               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+    count = torch.cuda.device_count()            # NVML-based before CUDA starts: no context made
+    report.say(f"driver {_driver()}  GPUs torch sees: {count}  {_names()}")
+    wanted = set(args.only.split(",")) if args.only else {n for n, _ in CHECKS}
+    if count == 0:
+        for name, _ in CHECKS:
+            if name in wanted:
+                report.check(None, name, "no CUDA GPU here: nothing to check")
+        return report.finish()
+    checks = Checks(ip, torch, report)
+    for name, _ in CHECKS:
+        if name not in wanted:
+            continue
+        started = time.perf_counter()
+        try:
+            getattr(checks, name.replace("-", "_"))()
+        except Exception as exc:  # noqa: BLE001 - a crash is a finding: report it and go on
+            report.check(False, name, f"raised {type(exc).__name__}: {exc}")
+            report.say("      " + traceback.format_exc().strip().replace("\n", "\n      "))
+        finally:
+            ip.run_cell("%oomguard off", store_history=False)
+            ip.run_line_magic("freecuda", "-q")
+        report.say(f"      ({time.perf_counter() - started:.1f} s)")
+    return report.finish()
 
-    pynvml.nvmlInit()
+
+def _driver() -> str:
     try:
-        from importlib.metadata import version
+        import pynvml
 
-        bindings = version("nvidia-ml-py")
-    except Exception:
-        bindings = "?"
-    say(f"driver {_text(pynvml.nvmlSystemGetDriverVersion())}  nvidia-ml-py {bindings}  cuda "
-        f"{torch.version.cuda}  hip {torch.version.hip}  GPUs torch sees: {torch.cuda.device_count()}")
-    ip.run_cell("import torch")
-    state: dict = {}
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception as exc:  # noqa: BLE001 - NVML missing (ROCm) or broken: said, not fatal
+        return f"unknown (NVML: {type(exc).__name__}: {exc})"
 
-    def no_context():
+
+def _names() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            out.append(f"[{i}] {name.decode() if isinstance(name, bytes) else name} {total / GiB:.1f} GiB")
+        return " ".join(out)
+    except Exception as exc:  # noqa: BLE001
+        return f"(NVML: {type(exc).__name__})"
+
+
+def _within(a, b, slack=2 * MiB) -> bool:
+    return a is not None and b is not None and abs(int(a) - int(b)) <= slack
+
+
+class Checks:
+    """One method per check, named as in CHECKS. Each reports PASS/FAIL/SKIP with the figures it compared."""
+
+    def __init__(self, ip, torch, report):
+        self.ip, self.torch, self.report = ip, torch, report
+        self.state: dict = {}
+
+    def ok(self, ok, name, what):
+        self.report.check(ok, name, what)
+
+    def run(self, cell: str):
+        result = self.ip.run_cell(cell)
+        return result
+
+    # 1 ----------------------------------------------------------------------------------------------
+    def context(self):
+        torch, ip = self.torch, self.ip
+        ip.run_cell("import torch")
         snap = ip.run_line_magic("gpumem", "-q -o --processes")
-        state["before"] = {d.key: d.capacity for d in snap.device_list if d.kind == "cuda"}
-        report(not torch.cuda.is_initialized(), "1. %load_ext, %gpumem and --processes create no CUDA context")
-        report(bool(state["before"]), f"1. %gpumem lists the GPUs before CUDA starts: {state['before']}")
+        before = {d.key: d.capacity for d in snap.device_list if d.kind == "cuda"}
+        import pynvml
 
-    def watch_first_cuda_cell():
-        ip.run_line_magic("gpumem", "--watch -q")
-        ip.run_cell("keep = torch.ones(256 * 2**20 // 4, device='cuda')")
-        ip.run_line_magic("gpumem", "--unwatch -q")
-        row = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")[-1]
-        report(row["device"] == "cuda:0" and row["peak"] is not None and row["peak"] >= 256 * MiB,
-               f"4. the cell that starts CUDA is recorded on cuda:0 with its peak: {row}")
-
-    def capacity_unchanged():
-        if "keep" not in ip.user_ns:
-            ip.run_cell("keep = torch.ones(256 * 2**20 // 4, device='cuda')")
-        torch.cuda.synchronize()
-        snap = ip.run_line_magic("gpumem", "-q -o")
-        for dev in (d for d in snap.device_list if d.kind == "cuda"):
-            i = int(dev.key.split(":")[1])
-            if not torch._C._cuda_hasPrimaryContext(i):
-                continue
-            before = state.get("before", {}).get(dev.key)
-            _, total = torch.cuda.mem_get_info(i)
-            report(before is not None and abs(before - total) <= 2 * MiB,
-                   f"2. {dev.key} capacity before CUDA started {before} vs torch's total {total}")
-
-    def figures_and_mapping():
-        snap = ip.run_line_magic("gpumem", "-q -o --processes")
+        pynvml.nvmlInit()
         me = os.getpid()
-        for dev in (d for d in snap.device_list if d.kind == "cuda"):
-            i = int(dev.key.split(":")[1])
-            if torch._C._cuda_hasPrimaryContext(i):
-                free, total = torch.cuda.mem_get_info(i)
-                allocated, reserved = torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i)
-                ok = (abs(dev.capacity - total) <= 2 * MiB and abs(dev.free - free) <= 2 * MiB
-                      and dev.torch_allocated == allocated and dev.torch_cached == reserved - allocated)
-                report(ok, f"3. {dev.key} vs torch: capacity {dev.capacity}/{total}, free {dev.free}/{free}, "
-                           f"allocated {dev.torch_allocated}/{allocated}, cached {dev.torch_cached}/"
-                           f"{reserved - allocated}")
-                parts = sum(v for v in dev.parts().values() if v is not None)
-                report(parts == dev.capacity, f"3. {dev.key} parts add up ({parts} of {dev.capacity})")
-            uuid = getattr(torch.cuda.get_device_properties(i), "uuid", None)
-            if uuid is None:
-                report(None, f"3. {dev.key}: torch {torch.__version__} reports no UUID (2.4+): mapping unchecked")
-                continue
-            text = str(uuid)
-            text = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(text)
-            except pynvml.NVMLError as exc:
-                report(None, f"3. {dev.key}: NVML has no device {text} ({exc}; a MIG instance?)")
-                continue
-            report(_text(pynvml.nvmlDeviceGetName(handle)) == dev.name,
-                   f"3. {dev.key} is NVML's {text}: {dev.name!r}")
-        mine = [(p.device, p.pid) for p in snap.processes if p.pid == me]
-        report((bool(mine) and len(mine) == len(set(mine))) or not snap.processes,
-               f"3. this process listed once per GPU it uses: {mine}")
+        listed = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            listed += [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == me]
+        self.ok(not torch.cuda.is_initialized() and not listed, "context",
+                f"after %load_ext and %gpumem: torch.cuda.is_initialized()={torch.cuda.is_initialized()}, "
+                f"NVML lists this pid on {len(listed)} GPU(s)")
+        ip.run_cell("keep = torch.ones(64 * 2**20 // 4, device='cuda')")
+        free, total = torch.cuda.mem_get_info(0)
+        self.ok(_within(before.get("cuda:0"), total), "context",
+                f"cuda:0 capacity before CUDA started {before.get('cuda:0')} against mem_get_info's total {total}")
+        ip.run_cell("del keep")
 
-    def oom_under_cap():
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        torch.cuda.set_per_process_memory_fraction(0.9, 0)      # the user's own cap, to be put back
-        baseline = torch.cuda.memory_allocated()
-        ip.run_cell("import weakref\nrefs = []\n"
-                    "def grow():\n    a = torch.ones(512 * 2**20 // 4, device='cuda')\n"
-                    "    refs.append(weakref.ref(a))\n"
-                    "    b = torch.empty(8 * 2**30, dtype=torch.uint8, device='cuda')\n")
-        result = ip.run_cell("%%oomguard -l 2GiB -q\ngrow()")
-        err = result.error_in_exec
-        from cuda_magic.devices.errors import oom_error_class
+    # 2 ----------------------------------------------------------------------------------------------
+    def gauge(self):
+        torch = self.torch
+        from cuda_magic.devices.gauge_reader import GaugeReader
+        from cuda_magic.devices.meter import CudaMeter
 
-        report(isinstance(err, oom_error_class(torch)),
-               f"5. the short error is torch's OOM class: {type(err).__mro__[:3]}")
-        del err, result
-        ip.run_cell("pass")
-        after = torch.cuda.memory_allocated()
-        alive = ip.user_ns["refs"][0]() is not None
-        report(after == baseline and not alive,
-               f"5. real OOM under -l 2GiB recovered: allocated {after} vs baseline {baseline}, freed: {not alive}")
-        if getter is None:
-            report(None, f"5. torch {torch.__version__} has no get_per_process_memory_fraction (2.6+)")
+        reader = GaugeReader(CudaMeter(0), nvml_every=0.0)
+        first = reader.read()
+        x = torch.ones(256 * MiB // 4, device="cuda")
+        torch.cuda.synchronize()
+        second = reader.read()
+        allocated = torch.cuda.memory_allocated(0)
+        _, total = torch.cuda.mem_get_info(0)
+        self.ok(first.allocated is not None and second.allocated == allocated and _within(second.capacity, total)
+                and second.other_processes is not None, "gauge",
+                f"readings {first.figures()} then {second.figures()}; torch allocated {allocated}, total {total}")
+        del x
+
+    # 3 ----------------------------------------------------------------------------------------------
+    def watch(self):
+        ip = self.ip
+        ip.run_line_magic("gpumem", "--watch -q")
+        ip.run_cell("a = torch.ones(512 * 2**20 // 4, device='cuda')\nb = torch.ones(256 * 2**20 // 4, device='cuda')\n"
+                    "del a\npeak_in_cell = torch.cuda.max_memory_allocated()")
+        ip.run_line_magic("gpumem", "--unwatch -q")
+        row = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")[-2]
+        expected = ip.user_ns.get("peak_in_cell")
+        self.ok(row["peak"] == expected, "watch", f"--watch peak {row['peak']} against max_memory_allocated() "
+                                                    f"{expected} (row {row})")
+        ip.run_cell("del b")
+
+    # 4 ----------------------------------------------------------------------------------------------
+    def oom_cap(self):
+        ip = self.ip
+        result = ip.run_cell("%%oomguard -l 2GiB --no-raise -q -o\nx = torch.ones(512 * 2**20 // 4, device='cuda')\n"
+                             "y = torch.empty(4 * 2**30, dtype=torch.uint8, device='cuda')\n")
+        rep = result.result
+        box = rep.blackbox
+        failed = box.failure if box is not None else None
+        rows = {u.where: u.bytes for u in (box.by_line if box else [])}
+        self.ok(rep.outcome == "oom" and failed is not None and failed.site is not None
+                and failed.site.where == "cell line 2", "oom-cap",
+                f"failing request {failed.requested if failed else None} at "
+                f"{failed.site.where if failed and failed.site else None}; notes {box.notes if box else None}")
+        self.ok(_within(rows.get("cell line 1"), 512 * MiB, 4096), "oom-cap",
+                f"by line at the failure: {rows} (cell line 1 made 512 MiB)")
+        told = rep.oom.allocated_by_torch if rep.oom else None
+        self.ok(failed is not None and _within(failed.allocated, told) and _within(box.total, told), "oom-cap",
+                f"allocated at the failure: black box {failed.allocated if failed else None}, by-line total "
+                f"{box.total if box else None}, the message's {told}")
+        ip.run_cell("x = y = None")
+
+    # 5 ----------------------------------------------------------------------------------------------
+    def oom_uncapped(self):
+        torch, ip = self.torch, self.ip
+        _, total = torch.cuda.mem_get_info(0)
+        ip.user_ns["far"] = int(total * 2)
+        allocated, reserved = torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)
+        free, _ = torch.cuda.mem_get_info(0)
+        rep = ip.run_cell("%%oomguard --no-raise -q -o\nz = torch.empty(far, dtype=torch.uint8, device='cuda')").result
+        f = rep.oom
+        self.ok(f is not None and _within(f.capacity, total, 64 * MiB) and _within(f.allocated_by_torch, allocated)
+                and _within(f.reserved_total, reserved, 64 * MiB) and _within(f.free, free, 256 * MiB),
+                "oom-uncapped",
+                f"message: capacity {f.capacity if f else None} / free {f.free if f else None} / allocated "
+                f"{f.allocated_by_torch if f else None} / reserved {f.reserved_total if f else None}; torch: total "
+                f"{total} / free {free} / allocated {allocated} / reserved {reserved}; causes "
+                f"{rep.diagnosis.causes if rep.diagnosis else None}")
+
+    # 6 ----------------------------------------------------------------------------------------------
+    def backward(self):
+        ip, torch = self.ip, self.torch
+        ip.run_cell("from torch import nn\ntorch.manual_seed(0)\n"
+                    "net = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).cuda()\n"
+                    "xb = torch.randn(8192, 4096, device='cuda')\n")
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ip.run_cell("out = net(xb).square().mean()")
+        forward = torch.cuda.max_memory_allocated() - base
+        ip.run_cell("out.backward()\nout = None\nfor p in net.parameters():\n    p.grad = None")
+        step = torch.cuda.max_memory_allocated() - base
+        cap = base + (forward + step) // 2
+        rep = ip.run_cell(f"%%oomguard -l {cap}B --no-raise -q -o\nloss = net(xb).square().mean()\n"
+                          "loss.backward()\n").result
+        box = rep.blackbox
+        f = box.failure if box else None
+        advice = [a.code for a in (rep.diagnosis.advice if rep.diagnosis else [])]
+        self.ok(rep.outcome == "oom" and f is not None and f.phase == "backward" and f.grad_enabled is True
+                and f.site is not None and f.site.where == "cell line 2"
+                and not any("generate" in (c or "") for c in advice), "backward",
+                f"forward {forward} / step {step} bytes, cap {cap}: failed at "
+                f"{f.site.where if f and f.site else None} phase {f.phase if f else None} grad "
+                f"{f.grad_enabled if f else None}; advice {advice[:3]}")
+        ip.run_cell("loss = None\nnet = xb = None")
+
+    # 7 ----------------------------------------------------------------------------------------------
+    def cudnn(self):
+        ip, torch = self.ip, self.torch
+        torch.cuda.memory._record_memory_history(max_entries=200_000)   # the user's own, kept by the guard
+        try:
+            ip.run_cell("conv = torch.nn.Conv2d(64, 64, 7, padding=3).cuda()\n"
+                        "img = torch.randn(64, 64, 128, 128, device='cuda')\ntorch.backends.cudnn.benchmark = True\n")
+            start_us = time.time() * 1e6
+            held = torch.cuda.memory_allocated()
+            cap = held + 3 * 64 * 64 * 128 * 128 * 4          # room for the output and a little workspace
+            rep = ip.run_cell(f"%%oomguard -l {cap}B --timeline --no-raise -q -o\nout = conv(img)\n").result
+            entries = torch.cuda.memory._snapshot()["device_traces"][0]
+            ooms = [e for e in entries if e.get("action") == "oom" and e.get("time_us", 0) >= start_us]
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        box = rep.blackbox
+        caught = len(ooms) - (1 if rep.outcome == "oom" else 0)
+        noted = any(f"caught {caught} out-of-memory" in n for n in (box.notes if box else []))
+        if not ooms:
+            self.ok(None, "cudnn", f"cuDNN needed no fallback under the cap ({rep.outcome}): nothing to compare")
         else:
-            fraction = getter(0)
-            report(abs(fraction - 0.9) < 1e-9, f"5. the fraction in force before -l is back: {fraction}")
-        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+            self.ok((caught == 0 or noted) and (rep.outcome != "oom" or box.failure is not None), "cudnn",
+                    f"{len(ooms)} oom entries in torch's trace, {caught} caught; outcome {rep.outcome}; notes "
+                    f"{box.notes if box else None}")
+        ip.run_cell("out = conv = img = None\ntorch.backends.cudnn.benchmark = False")
 
-    def freecuda():
+    # 8 ----------------------------------------------------------------------------------------------
+    def ring(self):
+        ip = self.ip
+        rep = ip.run_cell("%%oomguard -l 2GiB --no-raise -q -o\nw = torch.ones(256 * 2**20 // 4, device='cuda')\n"
+                          "for _ in range(40000):\n    t = torch.empty(4096, device='cuda'); del t\n"
+                          "acts = torch.ones(512 * 2**20 // 4, device='cuda')\n"
+                          "boom = torch.empty(4 * 2**30, dtype=torch.uint8, device='cuda')\n").result
+        box = rep.blackbox
+        told = rep.oom.allocated_by_torch if rep.oom else None
+        f = box.failure if box else None
+        self.ok(f is not None and _within(f.allocated, told) and _within(box.total, told)
+                and any("newest" in n for n in box.notes), "ring",
+                f"allocated at the failure: black box {f.allocated if f else None}, by line {box.total if box else None}"
+                f", the message's {told}; {len(box.points) if box else 0} points; notes {box.notes if box else None}")
+        ip.run_cell("w = acts = None")
+
+    # 9 ----------------------------------------------------------------------------------------------
+    def freecuda(self):
+        torch, ip = self.torch, self.ip
+        import pynvml
+
+        pynvml.nvmlInit()
         ip.run_cell("tmp = torch.empty(1024 * 2**20, dtype=torch.uint8, device='cuda'); del tmp")
         torch.cuda.synchronize()
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        handle = _handle_of(pynvml, torch, 0)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         free_before = pynvml.nvmlDeviceGetMemoryInfo(handle).free
         ip.run_line_magic("freecuda", "-q")
         free_after = pynvml.nvmlDeviceGetMemoryInfo(handle).free
-        report(free_after - free_before >= cached - 2 * MiB,
-               f"6. %freecuda returned {free_after - free_before} bytes to NVML's free figure (cached {cached})")
+        self.ok(free_after - free_before >= cached - 2 * MiB, "freecuda",
+                f"%freecuda returned {free_after - free_before} bytes to NVML's free figure (cached {cached})")
+        from cuda_magic.devices.allocator_conf import enable_expandable_segments
 
-    def expandable():
-        from cuda_magic.devices.allocator_conf import current_allocator_conf, enable_expandable_segments
-
-        try:
-            said = enable_expandable_segments()
-        except RuntimeError as exc:
-            report(None, f"7. expandable_segments not switched on: {exc}")
-            return
+        said = enable_expandable_segments()                 # a RuntimeError is this check's FAIL
         ip.run_cell("seg = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")
-        segments = [s for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
-        report(bool(segments) == ("expandable_segments:True" in current_allocator_conf()),
-               f"7. {said[:60]}...: {len(segments)} expandable segment(s) after, conf {current_allocator_conf()!r}")
+        expandable = [s for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
+        self.ok(bool(expandable), "freecuda", f"{said[:80]}...: {len(expandable)} expandable segment(s) after")
+        ip.run_cell("seg = None")
 
-    def retry_training():
-        """-r on a training cell on the GPU under a 2 GiB cap: the first retry is predicted from the model
-        measured on slices of the failing batch (its pass sampled through a dispatch mode, the backward
-        pass on autograd's device thread): 2 runs, within 15% of the largest value that fits."""
+    # 10 ---------------------------------------------------------------------------------------------
+    def processes(self):
+        guarded = ("from IPython.testing.globalipapp import get_ipython\nip = get_ipython()\n"
+                   "ip.run_line_magic('load_ext', 'cuda_magic')\nip.run_cell('import torch')\n"
+                   "r = ip.run_cell('%%oomguard -l 1GiB --no-raise -q -o\\n"
+                   "x = torch.empty(2 * 2**30, dtype=torch.uint8, device=\"cuda\")').result\n"
+                   "print('OUTCOME', r.outcome, 'NOTES', r.blackbox.notes if r.blackbox else None)\n")
+        out = _python(guarded, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+        self.ok("OUTCOME oom" in out and "allocator backend keeps no history" in out, "processes",
+                f"backend:cudaMallocAsync: {out.strip().splitlines()[-1] if out.strip() else out!r}")
+        listing = ("from IPython.testing.globalipapp import get_ipython\nip = get_ipython()\n"
+                   "ip.run_line_magic('load_ext', 'cuda_magic')\nimport torch\n"
+                   "s = ip.run_line_magic('gpumem', '-q -o')\n"
+                   "print('DEVICES', [(d.key, d.name, d.capacity) for d in s.device_list], 'STARTED', "
+                   "torch.cuda.is_initialized(), 'NOTES', s.notes)\n")
+        uuid = _uuid(0)
+        for value in (uuid[:12] if uuid else None, "0", ""):
+            if value is None:
+                self.ok(None, "processes", "no UUID from NVML: the GPU- prefix case is not checked")
+                continue
+            out = _python(listing, CUDA_VISIBLE_DEVICES=value)
+            line = next((ln for ln in out.splitlines() if ln.startswith("DEVICES")), out.strip()[-300:])
+            want_one = value != ""
+            ok = ("STARTED False" in line and (("('cuda:0'" in line and "'cuda:1'" not in line) if want_one
+                                                else "'cuda:" not in line))
+            self.ok(ok, "processes", f"CUDA_VISIBLE_DEVICES={value!r}: {line}")
+        holder = subprocess.Popen([sys.executable, "-c", "import torch, time\n"
+                                   "x = torch.empty(2 * 2**30, dtype=torch.uint8, device='cuda')\n"
+                                   "torch.cuda.synchronize(); print('READY', flush=True); time.sleep(120)"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            holder.stdout.readline()
+            time.sleep(1.0)
+            snap = self.ip.run_line_magic("gpumem", "-q -o --processes")
+            dev = next(d for d in snap.device_list if d.key == "cuda:0")
+            pids = [p.pid for p in snap.processes if p.device == "cuda:0"]
+            self.ok(dev.other_processes is not None and dev.other_processes >= 2 * GiB - 64 * MiB
+                    and holder.pid in pids, "processes",
+                    f"a second process holding 2 GiB: other processes {dev.other_processes}, listed pids {pids} "
+                    f"(the holder is {holder.pid})")
+            _, total = self.torch.cuda.mem_get_info(0)
+            self.ip.user_ns["far"] = int(total)
+            rep = self.ip.run_cell("%%oomguard --no-raise -q -o\nz = torch.empty(far, dtype=torch.uint8, "
+                                   "device='cuda')").result
+            listed = dict(rep.oom.processes) if rep.oom else {}
+            self.ok(holder.pid in listed and listed[holder.pid] >= 2 * GiB - 64 * MiB, "processes",
+                    f"the message's processes: {listed}")
+        finally:
+            holder.kill()
+            holder.wait()
+
+    # 11 ---------------------------------------------------------------------------------------------
+    def oomguard_on(self):
+        ip = self.ip
+        ip.run_line_magic("oomguard", "on")
+        ip.run_cell("h = torch.ones(256 * 2**20 // 4, device='cuda')\n"
+                    "def boom():\n    return torch.empty(4 * 2**30, dtype=torch.uint8, device='cuda')\n")
+        ip.run_cell("torch.cuda.set_per_process_memory_fraction(0.02)")
+        try:
+            ip.run_cell("big = boom()")
+        finally:
+            ip.run_cell("torch.cuda.set_per_process_memory_fraction(1.0)")
+        from cuda_magic.magics.state import get_state
+
+        rep = get_state(ip).guard_all.last_report
+        box = rep.blackbox if rep else None
+        self.ok(rep is not None and rep.outcome == "oom" and box is not None and box.failure is not None
+                and box.failure.site is not None, "oomguard-on",
+                f"report {rep.outcome if rep else None}, failing site "
+                f"{box.failure.site.where if box and box.failure and box.failure.site else None}; notes "
+                f"{box.notes if box else None}")
+        ip.run_line_magic("oomguard", "off")
+        ip.run_cell("h = None")
+        import nbformat
+        from nbclient import NotebookClient
+
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell("%load_ext cuda_magic\nimport torch, time"),
+                    nbformat.v4.new_code_cell("%%oomguard\nfor _ in range(20):\n"
+                                              "    t = torch.ones(16 * 2**20, device='cuda')\n    time.sleep(0.1)\n")]
+        NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+        outputs = nb.cells[1].outputs
+        kinds = {k for o in outputs for k in o.get("data", {})}
+        self.ok("application/vnd.jupyter.widget-view+json" in kinds or "text/html" in kinds, "oomguard-on",
+                f"a 2 s guarded cell in a real kernel: outputs {sorted(kinds)}")
+
+    # 12 ---------------------------------------------------------------------------------------------
+    def retry(self):
+        ip = self.ip
         ip.run_cell(TRAIN_SETUP)
         cell = "%%oomguard -q -o --no-raise -l 2GiB{}\n" + TRAIN_CELL
 
@@ -201,25 +450,41 @@ def main(argv=None) -> int:
             ip.run_cell(f"reset()\nbs = {value}")
             return ip.run_cell(cell.format("")).result.outcome == "ok"
 
-        lo, hi = 1, 8192
+        lo, hi = 1, 4096
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         ip.run_cell(f"reset()\nbs = {2 * lo}")
         rep = ip.run_cell(cell.format(" -r bs")).result
-        runs, final = len(rep.attempts), rep.final_value
-        why = rep.attempts[-1].reason if rep.attempts else ""
-        report(runs == 2 and final is not None and 0.85 * lo <= final <= lo,
-               f"8. -r from {2 * lo} on a CNN training cell under -l 2GiB: {runs} runs, bs={final} of the largest "
-               f"{lo} ({(final or 0) / lo:.1%}); why: {why}")
-        ip.run_cell("del model, opt, data\nreset = None")
-        torch.cuda.empty_cache()
+        after = ip.run_cell("fingerprint()").result
+        final = rep.final_value
+        ip.run_cell(f"reset()\nbs = {final or 1}")
+        ip.run_cell(cell.format(""))
+        clean = ip.run_cell("fingerprint()").result
+        equal = after is not None and clean is not None and len(after) == len(clean) and all(
+            a.shape == b.shape and bool((a == b).all()) for a, b in zip(after, clean))
+        runs = len(rep.attempts)
+        self.ok(runs == 2 and final is not None and 0.85 * lo <= final <= lo and equal, "retry",
+                f"-r from {2 * lo}: {runs} runs, bs={final} of the largest {lo} ({(final or 0) / lo:.1%}), "
+                f"state equal to one clean run: {equal}; why: {rep.attempts[-1].reason if rep.attempts else ''}")
+        ip.run_cell("model = opt = data = None")
 
-    for name, fn in (("1", no_context), ("4", watch_first_cuda_cell), ("2", capacity_unchanged),
-                     ("3", figures_and_mapping), ("5", oom_under_cap), ("6", freecuda), ("7", expandable),
-                     ("8", retry_training)):
-        check(name, fn)
-    return _finish(lines, args.out, 1 if failed else 0)
+
+def _python(code: str, **env) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, **env, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    return result.stdout + result.stderr
+
+
+def _uuid(index: int) -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        value = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except Exception:  # noqa: BLE001 - reported by the caller as a SKIP
+        return None
 
 
 TRAIN_SETUP = """
@@ -233,7 +498,7 @@ model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 data = TensorDataset(torch.randint(0, 256, (8192, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 10, (8192,)))
-start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state())
 
 def reset():
     for name in ("x", "xb", "yb", "loss", "loader"):
@@ -241,6 +506,11 @@ def reset():
     model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
     for p in model.parameters():
         p.grad = None
+    torch.set_rng_state(start[2])
+
+def fingerprint():
+    return ([t.detach().clone() for t in model.state_dict().values()]
+            + [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)])
 """
 
 TRAIN_CELL = """model.train()
@@ -254,31 +524,6 @@ for step, (xb, yb) in enumerate(loader):
     loss.backward()
     opt.step()
 """
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _handle_of(pynvml, torch, index: int):
-    """NVML's handle of torch's CUDA device `index`, by the UUID torch reports (2.4+); by the package's
-    reading of CUDA_VISIBLE_DEVICES otherwise (never by parsing the variable as numbers here)."""
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    if uuid is not None:
-        text = str(uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
-    from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
-
-    devices, _ = visible_nvml_devices(get_nvml())
-    return pynvml.nvmlDeviceGetHandleByIndex(devices[index].nvml_index)
-
-
-def _finish(lines, out, status) -> int:
-    if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-    return status
 
 
 if __name__ == "__main__":

@@ -247,3 +247,17 @@ def test_exception_groups_and_odd_inputs():
 
     assert oom_kind(Broken()) is None
     assert oom_kind(KeyboardInterrupt()) is None
+
+
+def test_the_processes_a_message_lists_are_parsed():
+    """torch's CUDA allocator lists the processes NVML sees on the device ("Process N has X memory in
+    use", c10/cuda/CUDACachingAllocator.cpp reportProcessMemoryInfo): each is (pid, bytes)."""
+    from oom_messages import MESSAGES
+
+    from cuda_magic.oom.classify import parse_oom_message
+
+    text = next(m["text"] for m in MESSAGES if m["source"].endswith("keys_values/issues/92"))
+    fields = parse_oom_message(text)
+    assert fields.processes == [(3721648, 414 * 2**20), (1374765, 414 * 2**20), (1374763, 414 * 2**20),
+                                (1374764, 414 * 2**20)]
+    assert parse_oom_message("CUDA out of memory. Tried to allocate 2.00 MiB").processes == []

@@ -21,6 +21,9 @@ from cuda_magic.paths import is_cell_file, is_cell_top_level, is_library_file
 
 DEFAULT_MAX_EVENTS = 200_000      # about 20 MB of events at most; the alive set is separate and exact
 BEFORE = 0                        # the site of storages that existed before the recording started
+#: The file of the site of an allocation torch recorded with no Python frame: it came from a thread that
+#: runs no Python code, on CUDA autograd's device thread running the backward pass.
+NO_FRAMES = "<no Python frames>"
 ALLOC, FREE, OOM, RESIZE = "alloc", "free", "oom", "resize"
 
 
@@ -36,7 +39,12 @@ def grad_mode() -> bool | None:
         return None
     if bool(torch.is_grad_enabled()) and not bool(torch.is_inference_mode_enabled()):
         return True
-    f = sys._getframe(1)
+    return backward_running(sys._getframe(1))
+
+
+def backward_running(frame) -> bool:
+    """Whether `frame` or a caller is torch's autograd running a backward pass."""
+    f = frame
     while f is not None:
         code = f.f_code
         if code.co_name in _BACKWARD and "autograd" in code.co_filename.replace("\\", "/").split("/torch/")[-1]:
@@ -54,12 +62,13 @@ def _outward(frame):
 class RecordedFailure:
     """The request that did not fit, and the storages alive per site at that moment."""
 
-    __slots__ = ("seconds", "requested", "allocated", "site", "attempt", "by_site", "grad_enabled")
+    __slots__ = ("seconds", "requested", "allocated", "site", "attempt", "by_site", "grad_enabled", "phase")
 
-    def __init__(self, seconds, requested, allocated, site, attempt, by_site, grad_enabled=None):
+    def __init__(self, seconds, requested, allocated, site, attempt, by_site, grad_enabled=None, phase=None):
         self.seconds, self.requested, self.allocated = seconds, requested, allocated
         self.site, self.attempt, self.by_site = site, attempt, by_site
         self.grad_enabled = grad_enabled      # False: no autograd graph was being built (inference)
+        self.phase = phase                    # 'backward': it failed in autograd's backward pass
 
 
 class Recorder:
@@ -141,12 +150,15 @@ class Recorder:
 
     def site_of_frames(self, frames) -> int:
         """The site of an allocation from the frames torch recorded (dicts of filename, line, name;
-        innermost first)."""
+        innermost first). None or no frame at all: torch ran it on a thread with no Python code (NO_FRAMES);
+        frames that are all library code: BEFORE's row, unless the cell's line is among them."""
+        if not frames:
+            return self.site_id((NO_FRAMES, None, None, None))
         inner = None
         cell_line = None
         if self.find_cell:
-            self._cell_file_of((fr.get("name"), fr.get("filename") or "") for fr in frames or ())
-        for fr in frames or ():
+            self._cell_file_of((fr.get("name"), fr.get("filename") or "") for fr in frames)
+        for fr in frames:
             filename = fr.get("filename") or ""
             if is_library_file(filename) or filename.startswith("??"):
                 continue
@@ -235,20 +247,24 @@ class Recorder:
             self.peak, self.peak_attempt, self._peak_stale = allocated, self.attempt, True
 
     def oom(self, requested: int, allocated: int, site: int | None = None, seconds: float | None = None,
-            grad_enabled: bool | None = ...) -> None:
+            grad_enabled: bool | None = ..., *, by_site: dict | None = None, phase: str | None = None) -> None:
         """The request that did not fit (recorded before the error is raised, in the failing thread, so
-        that the grad mode read here is the failing code's)."""
+        that the grad mode read here is the failing code's). `by_site`: what was alive then, where the
+        caller knows it better than the events replayed so far (the CUDA history's live blocks)."""
         if site is None:
             site = self.site_here()
         if grad_enabled is ...:
             grad_enabled = grad_mode()
+            if phase is None and backward_running(sys._getframe(1)):
+                phase = "backward"
         if self._peak_stale:
             self._take_peak()
         self.allocated = allocated
         self._append(OOM, requested, site, seconds)
         when = self.events[-1][0] if self.recording and self.events else (self.clock() - self.t0)
-        self.failures.append(RecordedFailure(when, requested, allocated, site, self.attempt, self._copy_sites(),
-                                     grad_enabled))
+        self.failures.append(RecordedFailure(when, requested, allocated, site, self.attempt,
+                                             self._copy_sites() if by_site is None else by_site, grad_enabled,
+                                             phase))
 
     # -- reading -----------------------------------------------------------------------------------
     def _copy_sites(self) -> dict[int, tuple[int, int]]:

@@ -51,11 +51,13 @@ class Recording:
         """Between attempts: the alive set keeps following frees, no events are kept."""
         if self.recorder is not None:
             self.recorder.pause()
+        elif self.history is not None:
+            self.history.pause()
 
     def failed(self) -> None:
         """Called inside the `except` block of an OOM, before anything is freed."""
         if self.history is not None:
-            self.history.take()
+            self.history.failed()
 
     def stop(self) -> Recorder | None:
         if self.recorder is not None:

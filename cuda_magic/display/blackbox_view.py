@@ -63,14 +63,19 @@ def by_line_title(tl) -> str:
     return f"{what}, by line ({format_bytes(tl.total)} in {count} storage{'s' if count != 1 else ''})"
 
 
+BACKWARD_WORDS = "in the backward pass"
+
+
 def failing_words(tl) -> str | None:
     f = tl.failure
     if f is None:
         return None
+    phase = f" {BACKWARD_WORDS}" if f.phase == "backward" else ""
     if f.site is None:
-        return f"The failing request: {format_bytes(f.requested)}"
+        return f"The failing request: {format_bytes(f.requested)}{phase}"
     code = f" `{f.site.code if len(f.site.code) <= 70 else f.site.code[:69] + '…'}`" if f.site.code else ""
-    return f"The failing request: {format_bytes(f.requested)} from{code} at {line_label(f.site)}"
+    return f"The failing request: {format_bytes(f.requested)}{phase} of{code} at {line_label(f.site)}" if phase \
+        else f"The failing request: {format_bytes(f.requested)} from{code} at {line_label(f.site)}"
 
 
 # ---- the chart (HTML and widget forms) ----------------------------------------------------------
@@ -136,12 +141,14 @@ def timeline_html(tl) -> str:
         out.append(by_line_html(tl))
     f = tl.failure
     if f is not None:
+        phase = f" {BACKWARD_WORDS} of" if f.phase == "backward" else " from"
         if f.site is not None:
             code = f' <code style="{CODE}">{escape(shorten(f.site.code, 90))}</code>' if f.site.code else ""
-            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b> from{code} at "
+            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b>{phase}{code} at "
                        f"{escape(line_label(f.site))}</div>")
         else:
-            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b></div>")
+            out.append(f"<div>The failing request: <b>{format_bytes(f.requested)}</b>"
+                       f"{' ' + BACKWARD_WORDS if f.phase == 'backward' else ''}</div>")
     out += [f'<div style="{MUTED}">note: {escape(n)}</div>' for n in tl.notes]
     if tl.dropped:
         out.append(f'<div style="{MUTED}">note: the oldest {tl.dropped} events were dropped from the timeline; '

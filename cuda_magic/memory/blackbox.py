@@ -9,11 +9,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.recorder import BEFORE, Recorder
+from cuda_magic.devices.recorder import BEFORE, NO_FRAMES, Recorder
 from cuda_magic.ipython import cell_label
 from cuda_magic.reprs import Rendered
 
 BEFORE_TEXT = "(allocated before the run)"
+NO_FRAMES_TEXT = "(no Python frames: autograd's backward pass, or another thread)"
 
 
 @dataclass
@@ -33,6 +34,8 @@ class LineUse:
     @property
     def where(self) -> str:
         """'model.py:42', 'cell line 3', or '' for memory from before the run."""
+        if self.filename == NO_FRAMES:
+            return "another thread"
         if self.in_cell and self.line is not None:
             return f"cell line {self.line}"
         if self.filename is None:
@@ -55,6 +58,7 @@ class FailedRequest:
     allocated: int                        # allocated on the device when it was asked for
     site: LineUse | None = None           # the line that asked (bytes: the request)
     grad_enabled: bool | None = None      # False: no autograd graph was being built (inference)
+    phase: str | None = None              # 'backward': in autograd's backward pass (on CUDA, its own thread)
 
 
 @dataclass(repr=False)
@@ -108,6 +112,8 @@ def _line_use(recorder: Recorder, site: int, nbytes: int, count: int, lines: lis
     filename, line, function, cell_line = recorder.sites[site]
     if site == BEFORE:
         return LineUse(None, None, None, BEFORE_TEXT, nbytes, count)
+    if filename == NO_FRAMES:
+        return LineUse(NO_FRAMES, None, None, NO_FRAMES_TEXT, nbytes, count)
     in_cell = filename is not None and filename == recorder.cell_filename
     if filename is None:      # only the cell's line is known
         return LineUse(None, None, None, _source(recorder.cell_filename, cell_line, lines), nbytes, count,
@@ -163,7 +169,7 @@ def blackbox_from(recorder: Recorder, *, device: str = "", capacity: int | None 
     if failure is not None:
         where = _line_use(recorder, failure.site, failure.requested, 1, lines) if failure.site != BEFORE else None
         request = FailedRequest(failure.requested, failure.seconds, failure.attempt, failure.allocated, where,
-                                failure.grad_enabled)
+                                failure.grad_enabled, failure.phase)
     return BlackBox(device=device, points=points, capacity=capacity, limited=limited, peak=recorder.peak,
                     peak_seconds=recorder.peak_seconds, peak_attempt=recorder.peak_attempt, failure=request,
                     by_line=by_line, at=at, dropped=recorder.dropped, notes=list(recorder.notes))

@@ -234,6 +234,8 @@ def parse_oom_message(text: str) -> OomFields:
                                         r"{size} cached\)")
     fields.reserved_total = _find(flat, r"{size} reserved in total by PyTorch")
     fields.allowed = _find(flat, r"{size} allowed;")
+    fields.processes = [(int(pid), _bytes(number, unit)) for pid, number, unit in
+                        re.findall(r"Process (\d+) has " + _SIZE + r" memory in use", flat, re.I)]
 
     if backend == "mps":
         other = _find(flat, r"other allocations: {size}")

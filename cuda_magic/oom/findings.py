@@ -21,6 +21,8 @@ class OomFields:
     reserved_unallocated: int | None = None
     reserved_total: int | None = None     # older messages: "reserved in total by PyTorch"
     allowed: int | None = None            # "... allowed;": the cap a per-process memory fraction sets
+    processes: list[tuple[int, int]] = field(default_factory=list)   # "Process N has ... memory in use":
+                                          # (pid, bytes) as NVML listed them (this process may be among them)
     possible: bool = False                # True for cuDNN's CUDNN_STATUS_NOT_SUPPORTED: may be an OOM
     message: str = ""                     # the first line of the original message
 
