@@ -182,7 +182,7 @@ class Checks:
         pynvml.nvmlInit()
         me = os.getpid()
         listed = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
+        for i in range(pynvml.nvmlDeviceGetCount()):         # every GPU NVML sees: none may list this pid
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             listed += [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == me]
         self.ok(not torch.cuda.is_initialized() and not listed, "context",
@@ -340,7 +340,7 @@ class Checks:
         ip.run_cell("tmp = torch.empty(1024 * 2**20, dtype=torch.uint8, device='cuda'); del tmp")
         torch.cuda.synchronize()
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        handle = _handle_of(pynvml, torch, 0)
         free_before = pynvml.nvmlDeviceGetMemoryInfo(handle).free
         ip.run_line_magic("freecuda", "-q")
         free_after = pynvml.nvmlDeviceGetMemoryInfo(handle).free
@@ -369,7 +369,7 @@ class Checks:
                    "s = ip.run_line_magic('gpumem', '-q -o')\n"
                    "print('DEVICES', [(d.key, d.name, d.capacity) for d in s.device_list], 'STARTED', "
                    "torch.cuda.is_initialized(), 'NOTES', s.notes)\n")
-        uuid = _uuid(0)
+        uuid = _uuid_of_cuda0()
         for value in (uuid[:12] if uuid else None, "0", ""):
             if value is None:
                 self.ok(None, "processes", "no UUID from NVML: the GPU- prefix case is not checked")
@@ -476,12 +476,27 @@ def _python(code: str, **env) -> str:
     return result.stdout + result.stderr
 
 
-def _uuid(index: int) -> str | None:
+def _handle_of(pynvml, torch, index: int):
+    """NVML's handle of torch's CUDA device `index`, by the UUID torch reports (2.4+); by the package's
+    reading of CUDA_VISIBLE_DEVICES otherwise (never by parsing the variable as numbers here)."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+    from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
+
+    devices, _ = visible_nvml_devices(get_nvml())
+    return pynvml.nvmlDeviceGetHandleByIndex(devices[index].nvml_index)
+
+
+def _uuid_of_cuda0() -> str | None:
+    """The UUID of this process's cuda:0, as NVML writes it (GPU-...)."""
     try:
         import pynvml
+        import torch
 
         pynvml.nvmlInit()
-        value = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+        value = pynvml.nvmlDeviceGetUUID(_handle_of(pynvml, torch, 0))
         return value.decode() if isinstance(value, bytes) else str(value)
     except Exception:  # noqa: BLE001 - reported by the caller as a SKIP
         return None

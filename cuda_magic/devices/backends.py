@@ -2,7 +2,9 @@
 
 CUDA reads torch's allocator statistics only where torch has already initialised CUDA, and NVML for
 device totals, this process's share and the other processes; where torch has not touched CUDA, NVML
-alone answers, so reading memory never creates a CUDA context. MPS reads torch.mps; with no GPU at all
+alone answers, so reading memory never creates a CUDA context. ROCm builds have no NVML: amdsmi lists
+the processes there, and where no list says how much this process holds, its share and other processes'
+stay unknown (None) rather than one counted as the other. MPS reads torch.mps; with no GPU at all
 the CPU is shown (process memory, CPU tensors). The session's simulated device comes first when active.
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch, mps_available
 from cuda_magic.devices.proc import meminfo, process_rss
 from cuda_magic.devices.readings import DeviceMemory, ProcessMemory
-from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
+from cuda_magic.devices.amdsmi import AmdSmiDevice, get_amdsmi, hip_build
+from cuda_magic.devices.nvml import NvmlDevice, get_nvml, visible_nvml_devices
 
 
 @dataclass
@@ -45,61 +48,118 @@ def _nvml_for_torch(nvml, torch, count: int, notes: list[str]) -> list:
     return [by_uuid.get(u) for u in uuids]
 
 
-def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemory]]:
+def nvml_records(notes: list[str]) -> list[NvmlDevice | None] | None:
+    """NVML's record of cuda:0, cuda:1, ...: once torch has started CUDA, matched by the UUID torch reports
+    (CUDA numbers GPUs fastest first, NVML by PCI bus); before, by CUDA_VISIBLE_DEVICES over NVML's
+    order, since asking torch would start CUDA. None where NVML cannot say (MIG before CUDA starts)."""
     nvml = get_nvml()
-    torch = loaded_torch()
-    initialized = cuda_started()
+    if cuda_started():
+        torch = loaded_torch()
+        return _nvml_for_torch(nvml, torch, int(torch.cuda.device_count()), notes)
+    records, map_notes = visible_nvml_devices(nvml)
+    notes.extend(map_notes)
+    return records
+
+
+def nvml_record_for(index: int, notes: list[str]) -> NvmlDevice | None:
+    """NVML's record of cuda:index, as `%gpumem` matches it (nvml_records)."""
+    records = nvml_records(notes) or []
+    return records[index] if index < len(records) else None
+
+
+def gpu_record_for(index: int, notes: list[str]) -> NvmlDevice | AmdSmiDevice | None:
+    """What lists the processes on cuda:index: amdsmi on a ROCm build (there is no NVML), else NVML."""
+    if hip_build():
+        record = get_amdsmi().device(index)
+        if record is None:
+            notes.append(get_amdsmi().failure)
+        return record
+    return nvml_record_for(index, notes)
+
+
+def _cuda_records(initialized: bool, notes: list[str]) -> list:
+    """One record per CUDA device (NvmlDevice, AmdSmiDevice or None where nothing answers)."""
+    if hip_build():
+        torch = loaded_torch()
+        count = int(torch.cuda.device_count()) if initialized else cuda_device_count()
+        amd = get_amdsmi()
+        records = [amd.device(i) for i in range(count)]
+        if count and amd.failure:
+            notes.append(f"{amd.failure}; this process's and other processes' shares are not known")
+        return records
+    nvml = get_nvml()
+    nv = nvml_records(notes)
     if initialized:
-        count = int(torch.cuda.device_count())
-        nv = _nvml_for_torch(nvml, torch, count, notes)
         if not any(nv) and nvml.failure:
             notes.append(f"{nvml.failure}; figures come from torch alone")
+        return nv
+    if nv is None or (not nv and nvml.failure):
+        # NVML absent is not "no GPU": compute-only containers have devices torch sees
+        count = cuda_device_count()
+        if count and nv is not None:
+            notes.append(f"{nvml.failure}: torch sees {count} GPU(s); their figures appear once torch "
+                         "uses them")
+        return [None] * count
+    return nv
+
+
+def _this_process_share(info, initialized: bool) -> int | None:
+    """This process's bytes on the device by its process list; None where the list cannot say."""
+    if info is None or not info.processes_known:
+        return None
+    if initialized and not info.processes:
+        return None        # an empty list once CUDA is in use here does not see this process
+    me = os.getpid()
+    return sum(u or 0 for pid, u in info.processes if pid == me)
+
+
+def _split_used(dev: DeviceMemory, used: int, this_proc: int | None, reserved: int, in_use: bool) -> None:
+    """Split what is used beyond torch's reserve into this process's rest and other processes'."""
+    if this_proc is not None and this_proc >= reserved:
+        dev.other_this_process = this_proc - reserved
+        dev.other_processes = max(0, used - this_proc)
+    elif this_proc is None and in_use:
+        # this process's context holds memory here and no process list says how much: calling the rest
+        # other processes' would blame them for our own context (ROCm without amdsmi, NVML without a
+        # list); the note of what failed says why
+        dev.other_this_process = dev.other_processes = None
     else:
-        nv, map_notes = visible_nvml_devices(nvml)
-        notes.extend(map_notes)
-        if nv is None or (not nv and nvml.failure):
-            # NVML absent is not "no GPU": compute-only containers and ROCm have devices torch sees
-            count = cuda_device_count()
-            if count and nv is not None:
-                notes.append(f"{nvml.failure}: torch sees {count} GPU(s); their figures appear once torch "
-                             "uses them")
-            nv = [None] * count
-        count = len(nv)
+        dev.other_this_process = None if reserved else 0
+        dev.other_processes = max(0, used - reserved)
+        if reserved:
+            dev.notes.append("the GPU's process list does not show this process here (a container?): "
+                             "its CUDA context is counted under other processes")
+
+
+def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemory]]:
+    torch = loaded_torch()
+    initialized = cuda_started()
+    records = _cuda_records(initialized, notes)
     me = os.getpid()
     devices, processes = [], []
-    for i in range(count):
-        info = nv[i]
+    for i, info in enumerate(records):
         dnotes = list(info.notes) if info else []
         total = info.total if info else None
         free = info.free if info else None
-        name = info.name if info else f"GPU {i}"
+        name = info.name if info and info.name else None
         allocated = reserved = peak = 0
-        this_proc = None
-        if info is not None and info.processes_known and (info.processes or not initialized):
-            this_proc = sum(u or 0 for pid, u in info.processes if pid == me)
+        in_use = False
+        this_proc = _this_process_share(info, initialized)
         if initialized:
             allocated = int(torch.cuda.memory_allocated(i))
             reserved = int(torch.cuda.memory_reserved(i))
             peak = int(torch.cuda.max_memory_allocated(i))
-            if _has_context(torch, i):
+            in_use = _has_context(torch, i)
+            if in_use:
                 free_t, total_t = torch.cuda.mem_get_info(i)
                 free, total = int(free_t), int(total_t)
-            if info is None:
+            if name is None:
                 name = torch.cuda.get_device_name(i)
-        dev = DeviceMemory(key=f"cuda:{i}", name=name, kind="cuda", capacity=total,
+        dev = DeviceMemory(key=f"cuda:{i}", name=name or f"GPU {i}", kind="cuda", capacity=total,
                            torch_allocated=allocated, torch_cached=reserved - allocated,
                            peak=peak if initialized else None, notes=dnotes)
         if total is not None and free is not None:
-            used = total - free
-            if this_proc is not None and this_proc >= reserved:
-                dev.other_this_process = this_proc - reserved
-                dev.other_processes = max(0, used - this_proc)
-            else:
-                dev.other_this_process = None if reserved else 0
-                dev.other_processes = max(0, used - reserved)
-                if reserved:
-                    dev.notes.append("NVML does not list this process here (a container?): its CUDA "
-                                     "context is counted under other processes")
+            _split_used(dev, total - free, this_proc, reserved, in_use)
             dev.free = free
         else:
             dev.other_this_process = dev.other_processes = dev.free = None
@@ -110,9 +170,15 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
         if info is not None:
             for pid, used_p in info.processes:
                 processes.append(ProcessMemory(device=dev.key, pid=pid, used=used_p,
-                                               name=nvml.process_name(pid), user=_user_of(pid),
+                                               name=_process_name(info, pid), user=_user_of(pid),
                                                this_process=pid == me))
     return devices, processes
+
+
+def _process_name(info, pid: int) -> str:
+    if isinstance(info, AmdSmiDevice):
+        return info.process_names.get(pid, "")
+    return get_nvml().process_name(pid)
 
 
 def mps_device() -> DeviceMemory | None:

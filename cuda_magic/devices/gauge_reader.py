@@ -3,8 +3,8 @@
 - the simulated device: its int counters;
 - CUDA: one `torch.cuda.memory_stats_as_nested_dict(i)` per reading (the allocator's own statistics,
   read without allocating and without starting CUDA: torch answers {} before it is initialised), and
-  NVML's process list for what other processes hold (and the capacity, until torch has started CUDA), at
-  most every `nvml_every` seconds;
+  the process list for what other processes hold (NVML's, amdsmi's on ROCm; and NVML's capacity, until
+  torch has started CUDA), at most every `nvml_every` seconds;
 - other GPUs (MPS, XPU): their meter's counters;
 - the CPU: the process's resident memory and its high-water mark from /proc.
 Each reading is a small record of ints; what cannot be read is None.
@@ -90,17 +90,16 @@ class GaugeReader:
         if self._other_at is not None and now - self._other_at < self.nvml_every:
             return self._other
         self._other_at = now
-        from cuda_magic.devices.nvml import get_nvml, visible_nvml_devices
+        from cuda_magic.devices.backends import gpu_record_for
 
-        nvml = get_nvml()
-        devices = visible_nvml_devices(nvml) if nvml.start() else []
-        index = self.meter.index
-        if index < len(devices) and self._capacity is None:
-            self._nvml_total = devices[index].total
-        if index >= len(devices) or not devices[index].processes_known:
+        # the same record `%gpumem` shows for this cuda:N (matched by UUID once CUDA has started); the
+        # gauge has no place for notes: what cannot be read is None
+        record = gpu_record_for(self.meter.index, [])
+        if record is not None and self._capacity is None:
+            self._nvml_total = record.total
+        if record is None or not record.processes_known:
             self._other = None
         else:
             me = os.getpid()
-            self._other = sum(used or 0 for pid, used in devices[index].processes if pid != me)
+            self._other = sum(used or 0 for pid, used in record.processes if pid != me)
         return self._other
-
