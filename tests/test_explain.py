@@ -75,8 +75,9 @@ def test_the_pasted_line_really_sets_the_settings(restore_allocator_settings):
 
 
 def test_current_allocator_conf_reads_the_variables_in_torchs_order(monkeypatch):
-    # torch's own order (c10's AllocatorConfig): PYTORCH_CUDA_ALLOC_CONF, on ROCm PYTORCH_HIP_ALLOC_CONF,
-    # then PYTORCH_ALLOC_CONF
+    # the installed torch's order (2.13, c10/core/AllocatorConfig.cpp: from 2.10 PYTORCH_CUDA_ALLOC_CONF,
+    # then PYTORCH_HIP_ALLOC_CONF on every build, then PYTORCH_ALLOC_CONF; tests/test_device_details.py
+    # checks the order of 2.2-2.9 and compares each case with torch's own getter)
     import torch
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
@@ -86,7 +87,7 @@ def test_current_allocator_conf_reads_the_variables_in_torchs_order(monkeypatch)
     assert current_allocator_conf(runtime=False) == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_HIP_ALLOC_CONF", "max_split_size_mb:32")
     monkeypatch.setattr(torch.version, "hip", None)
-    assert current_allocator_conf(runtime=False) == "expandable_segments:True"    # a CUDA build
+    assert current_allocator_conf(runtime=False) == "max_split_size_mb:32"        # a CUDA build reads it too
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert current_allocator_conf(runtime=False) == "max_split_size_mb:32"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
@@ -254,8 +255,12 @@ def test_allowed_figure_in_the_message_counts_as_capacity():
 def test_every_cause_is_reachable():
     reached = set()
     plenty = _fields(requested=2 * GiB, capacity=80 * GiB, free=70 * GiB, allocated_by_torch=3 * GiB)
+    from cuda_magic.oom.cell_reading import read_cell
+
+    evaluating = dict(cell=read_cell("out = model(x)"), by_kind={"activations": 30 * GiB, "parameters": GiB})
+    capped = dict(limit=4 * GiB, held_at_start=5 * GiB)
     for fields, kw in [(FRAGMENTED, {}), (CROWDED, {}), (FULL, {}), (HUGE, {}), (HELD, {"holders": HOLDERS}),
-                       (OomFields(), {}), (plenty, {})]:
+                       (OomFields(), {}), (plenty, {}), (FULL, evaluating), (FULL, capped)]:
         reached.update(diagnose(fields, **kw).causes)
     assert reached == set(CAUSE_LABELS)
 

@@ -353,34 +353,6 @@ def test_conf_in_force_keeps_expandable_segments_from_earlier_settings():
     assert out.strip().endswith("ok")
 
 
-def test_a_build_that_ignores_expandable_segments_is_not_reported_on(monkeypatch):
-    import warnings
-
-    import torch
-
-    from cuda_magic.devices import allocator_conf
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(allocator_conf, "_set_here", None)    # whatever earlier tests switched on
-    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
-        pytest.skip("the allocator settings getter is in torch 2.12+")
-    before = torch._C._accelerator_getAllocatorSettings()
-    set_to = []
-
-    def windows_setter(text):
-        set_to.append(text)
-        warnings.warn("expandable_segments not supported on this platform")
-
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", windows_setter)
-    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")
-    with pytest.raises(RuntimeError, match="ignores it"):
-        allocator_conf.enable_expandable_segments()
-    assert set_to == ["expandable_segments:True"]
-    assert allocator_conf._set_here is None
-    monkeypatch.undo()
-    assert torch._C._accelerator_getAllocatorSettings() == before
-
-
 def test_switching_expandable_segments_on_advises_empty_cache(monkeypatch):
     import torch
 

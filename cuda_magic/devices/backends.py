@@ -183,19 +183,23 @@ def _process_name(info, pid: int) -> str:
 
 def mps_device() -> DeviceMemory | None:
     torch = loaded_torch()
-    if torch is None:
+    if torch is None or not mps_available():
         return None
-    if not mps_available():
-        return None
+    from cuda_magic.devices.allocator_conf import mps_capacity
+
     allocated = int(torch.mps.current_allocated_memory())
     driver = int(torch.mps.driver_allocated_memory())
-    capacity = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") else None
-    free = max(0, capacity - driver) if capacity is not None else None
+    recommended = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") else None
+    capacity = mps_capacity(recommended)      # torch's limit: high-watermark ratio x recommended (or the RAM)
+    free = max(0, capacity - driver) if capacity is not None else None   # torch counts the driver's memory
     return DeviceMemory(key="mps", name="Apple MPS", kind="mps", capacity=capacity,
                         torch_allocated=allocated, torch_cached=max(0, driver - allocated),
-                        other_this_process=0, other_processes=None if capacity is None else 0, free=free,
+                        other_this_process=0, other_processes=None, free=free,
                         peak=None, peak_exact=False,
-                        notes=["MPS keeps no peak counter; other processes share unified memory"])
+                        notes=["MPS keeps no peak counter",
+                               "capacity is torch's limit for this process (PYTORCH_MPS_HIGH_WATERMARK_RATIO, "
+                               "default 1.7, times Metal's recommended working set); other processes share "
+                               "the unified memory and are not known"])
 
 
 def xpu_devices() -> list[DeviceMemory]:

@@ -59,9 +59,38 @@ class SimMeter(Meter):
         return self.device if self.temporary and not self.device.active else nullcontext()
 
 
-#: The memory fraction cuda_magic last set per device key: torch before 2.6 has no getter, so a later `-l`
-#: restores this rather than guessing.
+#: The memory fraction cuda_magic last set per device key: torch.cuda before 2.6 and torch.mps have no
+#: getter, so a later `-l` restores this rather than guessing.
 _fractions_set: dict[str, float] = {}
+_fraction_warned: set[str] = set()     # device keys whose "set it again" warning was given (once a process)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _fraction_warned:
+        _fraction_warned.add(key)
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+@contextmanager
+def _fraction_capped(key: str, set_fraction, fraction: float, old: float | None, unset: float):
+    """Run with the allocator's memory fraction at `fraction`, then put `old` back (`unset`, the value of
+    no fraction, where the fraction in force is not known). Nothing is set where nothing would change: on
+    CUDA before torch 2.8 (and XPU) setting a fraction, even 1.0, leaves the allocator "fraction set"
+    for the rest of the process (c10/cuda/CUDACachingAllocator.cpp, setMemoryFraction: set_fraction =
+    true): its out-of-memory messages say "allowed" and a garbage_collection_threshold starts acting."""
+    if fraction == (unset if old is None else old):
+        yield
+        return
+    set_fraction(fraction)
+    _fractions_set[key] = fraction
+    try:
+        yield
+    finally:
+        restore = unset if old is None else old
+        set_fraction(restore)
+        _fractions_set[key] = restore
 
 
 class CudaMeter(Meter):
@@ -109,7 +138,9 @@ class CudaMeter(Meter):
         """Cap everything PyTorch reserves on the device (what the notebook already holds included) at
         `limit` bytes for the run, through the allocator's memory fraction; then put back the fraction
         that was in force: torch's getter (2.6+), else the one cuda_magic last set, else 1.0 (torch
-        before 2.6 cannot say whether the user set one: a warning says so)."""
+        before 2.6 cannot say whether the user set one: a warning, once, says so). A cap of the whole
+        device where no fraction is known to be in force sets nothing. torch 2.8+ clears the fraction
+        when 1.0 is set back; before 2.8 the allocator stays "fraction set" (see `_fraction_capped`)."""
         if limit is None:
             yield
             return
@@ -117,25 +148,20 @@ class CudaMeter(Meter):
         getter = getattr(cuda, "get_per_process_memory_fraction", None)
         old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key)
         fraction = min(1.0, limit / self.total())
-        cuda.set_per_process_memory_fraction(fraction, self.index)
-        _fractions_set[self.key] = fraction
         try:
-            yield
+            with _fraction_capped(self.key, lambda f: cuda.set_per_process_memory_fraction(f, self.index),
+                                  fraction, old, 1.0):
+                yield
         finally:
-            restore = 1.0 if old is None else old
-            cuda.set_per_process_memory_fraction(restore, self.index)
-            _fractions_set[self.key] = restore
-            if old is None:
-                import warnings
+            if old is None and self.key in _fractions_set:    # set, and put back to 1.0 unknowing
+                from cuda_magic.devices.allocator_conf import installed_torch_version
 
-                warnings.warn(f"cuda_magic: -l restored {self.key}'s memory fraction to 1.0: torch "
-                              f"{self.torch.__version__} cannot report the fraction in force before, so "
-                              "one set with torch.cuda.set_per_process_memory_fraction must be set again",
-                              RuntimeWarning, stacklevel=2)
-
-
-#: torch's MPS high-watermark ratio when PYTORCH_MPS_HIGH_WATERMARK_RATIO is not set.
-MPS_DEFAULT_RATIO = 1.7
+                stays = (installed_torch_version() or (2, 8)) < (2, 8)
+                _warn_once(self.key, f"cuda_magic: -l restored {self.key}'s memory fraction to 1.0: torch "
+                           f"{self.torch.__version__} cannot report the fraction in force before, so one set "
+                           "with torch.cuda.set_per_process_memory_fraction must be set again"
+                           + ("; before torch 2.8 a fraction once set stays set, 1.0 included (out-of-memory "
+                              "messages say \"allowed\")" if stays else ""))
 
 
 class MpsMeter(Meter):
@@ -157,10 +183,21 @@ class MpsMeter(Meter):
     def reserved(self) -> int:
         return int(self.torch.mps.driver_allocated_memory())
 
-    def capacity(self) -> int | None:
-        """Metal's recommended working-set size (not in torch 2.1; in 2.5), the base of the memory fraction."""
+    def recommended(self) -> int | None:
+        """Metal's recommended working-set size (torch 2.5+; about 75% of the RAM), the base of the memory
+        fraction and of the high-watermark limit. None where torch cannot say."""
         getter = getattr(self.torch.mps, "recommended_max_memory", None)
         return int(getter()) if getter is not None else None
+
+    def capacity(self) -> int | None:
+        """What torch lets this process hold on MPS before it raises out of memory: the high-watermark
+        ratio (PYTORCH_MPS_HIGH_WATERMARK_RATIO, default 1.7) times the recommended size, counted against
+        `reserved()` (aten/src/ATen/mps/MPSAllocator.mm); with the ratio 0 (no limit), the RAM. None where
+        the recommended size is not known (torch before 2.5). A fraction the user set with
+        torch.mps.set_per_process_memory_fraction cannot be read back, so it is not seen here."""
+        from cuda_magic.devices.allocator_conf import mps_capacity
+
+        return mps_capacity(self.recommended())
 
     def reset_peak(self) -> None:
         self._peak = self.allocated()
@@ -172,24 +209,28 @@ class MpsMeter(Meter):
     @contextmanager
     def running(self, limit: int | None = None):
         """`-l` through torch.mps.set_per_process_memory_fraction (a fraction of the recommended size,
-        0 to 2); restored to what cuda_magic last set, else the environment's or torch's default ratio."""
+        0 to 2: the allocator's high-watermark ratio); then the ratio cuda_magic last set, else the
+        environment's or torch's default. torch.mps has no getter (2.2 to 2.13, nor any torch._C._mps_*
+        binding): a fraction the user set is replaced, and a warning says so once."""
         if limit is None:
             yield
             return
-        import os
+        from cuda_magic.devices.allocator_conf import mps_watermark_ratio
 
         mps = self.torch.mps
         old = _fractions_set.get(self.key)
         if old is None:
-            old = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", MPS_DEFAULT_RATIO))
-        fraction = min(2.0, limit / self.capacity())
-        mps.set_per_process_memory_fraction(fraction)
-        _fractions_set[self.key] = fraction
+            old = mps_watermark_ratio()
+        fraction = min(2.0, limit / self.recommended())
         try:
-            yield
+            with _fraction_capped(self.key, mps.set_per_process_memory_fraction, fraction, old, old):
+                yield
         finally:
-            mps.set_per_process_memory_fraction(old)
-            _fractions_set[self.key] = old
+            if self.key in _fractions_set:
+                _warn_once(self.key, f"cuda_magic: -l put the MPS memory fraction back to {old:g} "
+                           "(PYTORCH_MPS_HIGH_WATERMARK_RATIO, else torch's default 1.7): torch.mps cannot "
+                           "report the fraction in force, so one set with "
+                           "torch.mps.set_per_process_memory_fraction must be set again")
 
 
 class XpuMeter(Meter):
@@ -221,19 +262,16 @@ class XpuMeter(Meter):
 
     @contextmanager
     def running(self, limit: int | None = None):
+        """`-l` through torch.xpu's memory fraction (set and get both from torch 2.10), put back after."""
         if limit is None:
             yield
             return
         getter = getattr(self.xpu, "get_per_process_memory_fraction", None)
-        old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key, 1.0)
+        old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key)
         fraction = min(1.0, limit / self.capacity())
-        self.xpu.set_per_process_memory_fraction(fraction, self.index)
-        _fractions_set[self.key] = fraction
-        try:
+        with _fraction_capped(self.key, lambda f: self.xpu.set_per_process_memory_fraction(f, self.index),
+                              fraction, old, 1.0):
             yield
-        finally:
-            self.xpu.set_per_process_memory_fraction(old, self.index)
-            _fractions_set[self.key] = old
 
 
 class CpuMeter(Meter):

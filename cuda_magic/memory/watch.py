@@ -1,15 +1,17 @@
 """`%gpumem --watch`: after every cell, its change in allocated memory, its exact peak and duration.
 
-Peaks come from the allocators' own peak counters, reset when a cell starts (torch.cuda's, the simulated
-device's); on a CPU-only machine from the kernel's resident-set high-water mark, which Linux lets us reset
-(/proc/self/clear_refs) and which is marked approximate. No polling thread.
+Peaks come from the allocators' own peak counters, reset when a cell starts (torch.cuda's, torch.xpu's
+from torch 2.5, the simulated device's). MPS keeps none: its peak is the higher of the allocated figures at
+the cell's start and end (torch.mps.current_allocated_memory), marked approximate. With no GPU in use, from
+the kernel's resident-set high-water mark, which Linux lets us reset (/proc/self/clear_refs), marked
+approximate. No polling thread.
 """
 from __future__ import annotations
 
 import sys
 import time
 
-from cuda_magic.devices.probe import cuda_started, loaded_torch
+from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.proc import ProcReader
 from cuda_magic.devices.simulated import active_device
 from cuda_magic.memory.snapshot import CellRecord
@@ -46,12 +48,17 @@ class CellWatcher:
             self._proc = None
 
     def _device(self):
-        """(kind, what to read it from) for the device this cell runs on."""
+        """(kind, what to read it from) for the device this cell runs on: the simulated device, CUDA once
+        started, an XPU once started (with its counters: torch 2.5+), MPS where torch has it, else the
+        CPU (the process's resident memory)."""
         sim = active_device()
         if sim is not None:
             return "sim", sim
         if cuda_started():
             return "cuda", loaded_torch()
+        gpu = _gpu_meter()
+        if gpu is not None:
+            return gpu.device_type, gpu
         return "cpu", None
 
     def pre_run_cell(self, info=None) -> None:
@@ -64,6 +71,9 @@ class CellWatcher:
                 i = dev.cuda.current_device()
                 dev.cuda.reset_peak_memory_stats(i)
                 before = dev.cuda.memory_allocated(i)
+            elif kind in ("xpu", "mps"):
+                dev.reset_peak()
+                before = dev.allocated()
             else:
                 if self._proc is None:
                     self._proc = ProcReader()
@@ -92,8 +102,18 @@ class CellWatcher:
                 after = torch.cuda.memory_allocated(i)
                 peak, exact, key = torch.cuda.max_memory_allocated(i), True, f"cuda:{i}"
             else:
-                after, peak = self._proc.end_cell()
-                exact, key = False, "cpu"
+                if kind == "cpu":
+                    gpu = _gpu_meter()
+                    if gpu is not None:
+                        # a cell that starts an XPU, or imports torch on a Mac, is that device's cell: it
+                        # began with nothing there; an XPU's peak counter counts from its start
+                        kind, dev, before = gpu.device_type, gpu, 0
+                if kind in ("xpu", "mps"):
+                    after, peak, key = dev.allocated(), dev.peak(), dev.key
+                    exact = kind == "xpu"        # MPS: the higher figure read, approximate
+                else:
+                    after, peak = self._proc.end_cell()
+                    exact, key = False, "cpu"
             delta = (after - before) if after is not None and before is not None else None
             record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
@@ -108,6 +128,25 @@ class CellWatcher:
         if not getattr(self, "_noted", False):
             self._noted = True
             print(f"[gpumem --watch] could not read memory: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _gpu_meter():
+    """The meter of the XPU torch has started (its allocator counters need torch 2.5+) or of Apple's MPS
+    where torch can use it; None for neither. Neither reads the process's resident memory, which on macOS
+    (no /proc) cannot be read per cell anyway."""
+    torch = loaded_torch()
+    if torch is None:
+        return None
+    xpu = getattr(torch, "xpu", None)
+    if xpu_started() and hasattr(xpu, "max_memory_allocated"):
+        from cuda_magic.devices.meter import XpuMeter
+
+        return XpuMeter(int(xpu.current_device()))
+    if mps_available() and hasattr(getattr(torch, "mps", None), "current_allocated_memory"):
+        from cuda_magic.devices.meter import MpsMeter
+
+        return MpsMeter()
+    return None
 
 
 def _cell_number(shell, result, fallback: int) -> int:

@@ -29,6 +29,7 @@ import sys
 from collections import OrderedDict
 
 from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available
+from cuda_magic.memory.reach import skipped
 from cuda_magic.units import format_bytes
 
 HOST_SHARE = 0.5           # a state copy may take at most this share of the host's available memory
@@ -59,8 +60,9 @@ class Checkpoint:
         ns = self.namespace
         if ns is not None:
             self.bindings = dict(ns)
+            # exact types only: a subclass may raise from len(), a dead weakref.proxy from isinstance()
             self.lengths = {k: (id(v), len(v)) for k, v in ns.items()
-                            if isinstance(v, _CONTAINERS) and not k.startswith("_") and k not in self.keep}
+                            if type(v) in _CONTAINERS and not k.startswith("_") and k not in self.keep}
         found = stateful_objects(self._root_items())
         sizes = [(name, obj, state_bytes(obj)) for name, obj in found]
         total = sum(b for _, _, b in sizes)
@@ -152,22 +154,28 @@ def stateful_objects(items) -> list[tuple[str, object]]:
     found: dict[int, tuple[str, object]] = {}
 
     def consider(name, obj):
-        if isinstance(obj, type) or id(obj) in found:
+        if skipped(obj) or id(obj) in found:
             return
-        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        try:
+            stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        except Exception:  # noqa: BLE001 - a raising __getattr__: not something with a state to keep
+            return
+        if stateful:
             found[id(obj)] = (name, obj)
 
     for name, value in items:
         consider(name, value)
-        if isinstance(value, (list, tuple)):
-            for i, item in enumerate(value[:1000]):
+        cls = type(value)
+        if issubclass(cls, (list, tuple)):
+            for i, item in enumerate(list.__getitem__(value, slice(0, 1000)) if issubclass(cls, list)
+                                     else tuple.__getitem__(value, slice(0, 1000))):
                 consider(f"{name}[{i}]", item)
-        elif isinstance(value, dict):
-            for key, item in list(value.items())[:1000]:
+        elif issubclass(cls, dict):
+            for key, item in list(dict.items(value))[:1000]:
                 consider(f"{name}[{key!r}]", item)
     torch = loaded_torch()
     module = torch.nn.Module if torch is not None else ()
-    return sorted(found.values(), key=lambda item: not isinstance(item[1], module))
+    return sorted(found.values(), key=lambda item: not issubclass(type(item[1]), module))
 
 
 def state_bytes(obj) -> int:
@@ -302,7 +310,8 @@ def _dispatch_mode_on(torch) -> bool:
 # ---- random number generators ---------------------------------------------------------------------
 
 def rng_state() -> dict:
-    """The generators' states: torch CPU and CUDA (where started), `random`, numpy's global one."""
+    """The generators' states: torch CPU, CUDA and XPU (where started: reading them starts nothing),
+    MPS, `random`, numpy's global one."""
     state: dict = {"random": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -316,6 +325,12 @@ def rng_state() -> dict:
             mark_host_only(state["torch"])
             if cuda_started():
                 state["cuda"] = torch.cuda.get_rng_state_all()
+            # torch.xpu.get_rng_state_all: torch 2.3+ (torch/xpu/random.py); it starts the XPU runtime
+            # (_lazy_init), so only once torch has
+            from cuda_magic.devices.probe import xpu_started
+
+            if xpu_started() and hasattr(torch.xpu, "get_rng_state_all"):
+                state["xpu"] = torch.xpu.get_rng_state_all()
             if hasattr(getattr(torch, "mps", None), "get_rng_state") and mps_available():
                 state["mps"] = torch.mps.get_rng_state()
     return state
@@ -333,6 +348,8 @@ def set_rng_state(state: dict) -> None:
         torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "xpu" in state:
+        torch.xpu.set_rng_state_all(state["xpu"])
     if "mps" in state:
         torch.mps.set_rng_state(state["mps"])
 
