@@ -358,7 +358,7 @@ def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_f
             recorder.oom(int(entry.get("size") or 0), level, site=recorder.site_of_frames(frames),
                          seconds=seconds, grad_enabled=look.grad_enabled if look is not None else None,
                          by_site=by_site, phase="backward" if look is not None and look.thread == "backward" else None)
-            if n == last_oom:
+            if n == last_oom and recorder.failures and recorder.failures[-1].by_site is by_site:
                 the_failure = recorder.failures[-1]
     caught = len(ooms) - (1 if the_failure is not None else 0)
     if caught > 0:

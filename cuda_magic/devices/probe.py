@@ -67,6 +67,20 @@ def has_gpu() -> bool:
     return found
 
 
+def real_storage(tensor):
+    """The storage that holds `tensor`'s memory, or None where it holds none of its own: a fake or meta
+    tensor (its storage is on the meta device: torch.compile's FakeTensors report a real device but keep
+    a meta storage), a wrapper subclass (`_make_wrapper_subclass`: its storage cannot be accessed; the
+    tensors it wraps hold the memory), a sparse or nested tensor without one plain storage."""
+    try:
+        storage = tensor.untyped_storage()
+        if storage.device.type == "meta":
+            return None
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+    return storage
+
+
 def subclasses(base) -> frozenset:
     """`base` and every class derived from it now: a gc pass matches exact types against this set
     (`type(o) in found` is several times faster than `issubclass` per object)."""

@@ -250,7 +250,12 @@ class Recorder:
             grad_enabled: bool | None = ..., *, by_site: dict | None = None, phase: str | None = None) -> None:
         """The request that did not fit (recorded before the error is raised, in the failing thread, so
         that the grad mode read here is the failing code's). `by_site`: what was alive then, where the
-        caller knows it better than the events replayed so far (the CUDA history's live blocks)."""
+        caller knows it better than the events replayed so far (the CUDA history's live blocks). Between
+        attempts (paused) an out-of-memory error is not the run's (a retry measuring the model on slices of
+        its batch finds what fits by running out): not a failure."""
+        if not self.recording:
+            self.allocated = allocated
+            return
         if site is None:
             site = self.site_here()
         if grad_enabled is ...:

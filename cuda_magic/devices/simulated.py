@@ -11,6 +11,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 
+from cuda_magic.devices.probe import real_storage, subclasses
 from cuda_magic.devices.readings import DeviceMemory
 
 _active: list[SimulatedDevice] = []   # devices counting now, the latest started last (mirrors the modes entered)
@@ -245,9 +246,11 @@ class SimulatedDevice:
         grown = 0
         for is_fresh, value in zip(fresh, outs):
             for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
-                if not isinstance(leaf, tensor_type) or leaf.device.type == "meta":
+                if not isinstance(leaf, tensor_type):
                     continue
-                storage = leaf.untyped_storage()
+                storage = real_storage(leaf)     # fake, meta and wrapper tensors hold nothing of their own
+                if storage is None:
+                    continue
                 key = storage._cdata
                 nbytes = storage.nbytes()
                 with self._lock:
@@ -290,15 +293,15 @@ class SimulatedDevice:
 
         import torch
 
-        from cuda_magic.devices.probe import subclasses
-
         ttypes = subclasses(torch.Tensor)
         added = 0
         for obj in [o for o in gc.get_objects() if type(o) in ttypes]:
             try:
                 if obj.device.type != "cpu" or obj.is_sparse:
                     continue
-                storage = obj.untyped_storage()
+                storage = real_storage(obj)
+                if storage is None:
+                    continue
                 key, nbytes = storage._cdata, storage.nbytes()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue

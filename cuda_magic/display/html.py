@@ -12,7 +12,7 @@ from cuda_magic.devices.readings import PARTS
 from cuda_magic.display.blackbox_view import blackbox_html as box_html
 from cuda_magic.display.elements import BAR, CODE, COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box, html_table
 from cuda_magic.display.layout import kind_segments, shown_kinds
-from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
+from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
                                        percentages, in_use, peak_words, tensor_name, short_dtype, shape_text,
@@ -97,6 +97,7 @@ KIND_COLORS = {
     "optimizer_state": "#8e5cc4",
     "activations": "#d0473f",
     "other": "#7c8a8f",
+    IN_FAILING_OP: "#f0a090",
     UNSEEN: "#c9c9c9",
 }
 

@@ -5,7 +5,7 @@ these; none of them decides them again.
 from __future__ import annotations
 
 from cuda_magic.devices.readings import PART_LABELS, PARTS
-from cuda_magic.memory.kinds import KINDS, UNSEEN
+from cuda_magic.memory.kinds import IN_FAILING_OP, KINDS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 
 UNKNOWN = "unknown"          # the part of a capacity whose figures the backend does not give
@@ -220,7 +220,7 @@ def watch_line(rec) -> str:
 
 # ---- memory by kind (memory.kinds) ----------------------------------------------------------------
 
-KIND_ORDER = (*KINDS, UNSEEN)
+KIND_ORDER = (*KINDS, IN_FAILING_OP, UNSEEN)
 KIND_BAR_WIDTH = 50
 
 

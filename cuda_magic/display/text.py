@@ -14,7 +14,7 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        guard_title, value_words, value_reason, reclaimed_words, attempt_rows,
                                        attempt_headers)
 from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
-from cuda_magic.memory.kinds import KIND_LABELS, UNSEEN
+from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.display.blackbox_view import timeline_text
 from cuda_magic.display.elements import shorten, table, wrap_items
 from cuda_magic.units import format_bytes, format_duration
@@ -90,7 +90,7 @@ def processes_text(processes) -> str:
 
 
 KIND_SYMBOLS = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "o",
-                UNSEEN: "?"}
+                IN_FAILING_OP: "F", UNSEEN: "?"}
 
 
 def kinds_text(key: str, kinds: dict[str, int], title: str = "By kind") -> list[str]:

@@ -10,11 +10,11 @@ import sys
 import types
 from itertools import chain
 
-from cuda_magic.devices.probe import subclasses
+from cuda_magic.devices.probe import real_storage, subclasses
 from cuda_magic.memory.kinds import KindMarker
 from cuda_magic.memory.snapshot import TensorRecord
 from cuda_magic.paths import PACKAGE_DIR
-from cuda_magic.memory.reach import saved_attrs
+from cuda_magic.memory.reach import REFUSING as _REFUSING, object_dict, saved_attrs
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
                      type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -92,8 +92,8 @@ class _Namer:
                 except (RuntimeError, AttributeError):   # freed by backward()
                     continue
                 for t in (saved if isinstance(saved, (tuple, list)) else (saved,)):
-                    if type(t) in self.ttypes and not t.is_meta and t.layout == self.torch.strided:
-                        storage = t.untyped_storage()
+                    storage = real_storage(t) if type(t) in self.ttypes and t.layout == self.torch.strided else None
+                    if storage is not None:
                         key = storage._cdata
                         if key not in self.keys:
                             # held only inside the graph (no Python object for the gc scan to find)
@@ -103,8 +103,10 @@ class _Namer:
             stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
 
     def walk(self, obj, name: str, depth: int = 0) -> None:
+        """Name what `obj` reaches. Decided by `type(obj)` alone, never `isinstance` (a dead weakref.proxy
+        raises ReferenceError there); an object that refuses to be looked at is skipped."""
         cls = type(obj)
-        if cls in _ATOMIC:
+        if cls in _ATOMIC or cls in _REFUSING:
             return
         if cls in self.ttypes:
             self.add(obj, name)
@@ -117,11 +119,17 @@ class _Namer:
             self.truncated = True
             return
         self.seen.add(oid)
-        if isinstance(obj, self.module_type):
+        try:
+            self._walk_children(obj, cls, name, depth)
+        except Exception:  # noqa: BLE001 - a hostile object (its __getattr__ or __len__ raises): not named
+            return
+
+    def _walk_children(self, obj, cls, name: str, depth: int) -> None:
+        if issubclass(cls, self.module_type):
             self._walk_module(obj, name, depth)
-        elif isinstance(obj, self.optim_type):
+        elif issubclass(cls, self.optim_type):
             self.optimizers.append((name, obj))
-        elif cls is list or cls is tuple or isinstance(obj, (list, tuple)):
+        elif issubclass(cls, (list, tuple)):
             if len(obj) > _LARGE and cls in _PLAIN:
                 level = list(filter(gc.is_tracked, obj))
                 kinds = set(map(type, level))
@@ -134,19 +142,19 @@ class _Namer:
                     return
             for i, item in enumerate(obj):
                 self.walk(item, f"{name}[{i}]", depth + 1)
-        elif isinstance(obj, dict):
+        elif issubclass(cls, dict):
             if len(obj) > _LARGE and cls is dict:
                 level = list(filter(gc.is_tracked, obj.values()))
                 if _holds_only_data(level, set(map(type, level)), MAX_DEPTH + 1 - depth):
                     return
             for k, v in list(obj.items()):
                 self.walk(v, f"{name}[{_key_text(k)}]", depth + 1)
-        elif isinstance(obj, (set, frozenset)):
+        elif issubclass(cls, (set, frozenset)):
             for item in obj:
                 self.walk(item, f"{name}{{...}}", depth + 1)
-        else:
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict) and not isinstance(obj, type):
+        elif not issubclass(cls, type):
+            attrs = object_dict(obj)
+            if attrs is not None:
                 for k, v in list(attrs.items()):
                     self.walk(v, f"{name}.{k}", depth + 1)
 
@@ -162,7 +170,7 @@ class _Namer:
             if sub is not None:
                 self.walk(sub, f"{name}.{mname}", depth + 1)
         for k, v in list(vars(mod).items()):
-            if k[:1] != "_" and not isinstance(v, self.module_type):
+            if k[:1] != "_" and not issubclass(type(v), self.module_type):
                 self.walk(v, f"{name}.{k}", depth + 1)
 
     def walk_optimizers(self) -> None:
@@ -213,7 +221,7 @@ def _holds_only_data(level: list, kinds: set, levels: int) -> bool:
 
 
 def _key_text(k) -> str:
-    if isinstance(k, (str, int, float, bool)) or k is None:
+    if type(k) in (str, int, float, bool) or k is None:
         return repr(k)
     return f"<{type(k).__name__}>"
 
@@ -269,11 +277,13 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     device_texts: dict = {}
     for t in tensors:
         try:
-            if t.is_meta or t.layout != strided:
-                continue
-            storage = t.untyped_storage()
+            if t.layout != strided:
+                continue   # sparse, nested and other tensors without one plain storage
         except (RuntimeError, NotImplementedError, TypeError):
-            continue   # sparse, nested and other tensors without one plain storage
+            continue
+        storage = real_storage(t)      # fake (torch.compile's), meta and wrapper tensors hold nothing
+        if storage is None:
+            continue
         key = storage._cdata
         by_id[id(t)] = key
         if type(t) in ptypes:

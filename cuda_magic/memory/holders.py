@@ -8,10 +8,10 @@ surprises (graphs kept by logged losses, a second copy of a model, stale activat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import loaded_torch
-from cuda_magic.memory.reach import SKIP_TYPES, device_storages
+from cuda_magic.memory.reach import device_storages, skipped
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Holder:
     what: str = ""                        # 'list of 300 tensors with grad_fn', 'AdamW', ...
     training: bool = False                # a module an optimizer updates (or with gradients), an optimizer
     shared_with: tuple[str, ...] = ()
+    reached: dict = field(default_factory=dict, repr=False, compare=False)   # storage id -> bytes
 
     @property
     def description(self) -> str:
@@ -32,36 +33,41 @@ class Holder:
 
 
 def _kind_and_what(value, torch) -> tuple[str, str]:
-    if isinstance(value, torch.nn.Module):
-        return "model", type(value).__name__
-    if isinstance(value, torch.optim.Optimizer):
-        return "optimizer", type(value).__name__
-    if issubclass(type(value), torch.Tensor):
+    cls = type(value)          # never isinstance: a dead weakref.proxy raises there (reach.skipped)
+    if issubclass(cls, torch.nn.Module):
+        return "model", cls.__name__
+    if issubclass(cls, torch.optim.Optimizer):
+        return "optimizer", cls.__name__
+    if issubclass(cls, torch.Tensor):
         return ("graph", "tensor with grad_fn") if value.grad_fn is not None else ("tensor", "")
-    if isinstance(value, (list, tuple, dict, set)) or type(value).__name__ == "deque":
-        items = list(value.values()) if isinstance(value, dict) else list(value)
+    if issubclass(cls, (list, tuple, dict, set)) or cls.__name__ == "deque":
+        items = list(value.values()) if issubclass(cls, dict) else list(value)
         tensors = [v for v in items if issubclass(type(v), torch.Tensor)]
         if not tensors:
             return "tensors", ""
         graphs = sum(1 for t in tensors if t.grad_fn is not None)
-        container = "dict" if isinstance(value, dict) else type(value).__name__
+        container = "dict" if issubclass(cls, dict) else cls.__name__
         with_graph = " with grad_fn" if graphs else ""
         scalar = " scalar" if all(t.dim() == 0 for t in tensors) else ""
         return ("graph" if graphs else "tensors"), f"{container} of {len(tensors)}{scalar} tensors{with_graph}"
-    return "object", type(value).__name__
+    return "object", cls.__name__
 
 
 def name_holders(variables: dict, storages_of=device_storages) -> list[Holder]:
     """Holders among `variables` (name -> value), the largest `bytes` first. `storages_of(value)`:
-    {storage id: bytes} of the device memory a value reaches."""
+    {storage id: bytes} of the device memory a value reaches. A value that refuses to be looked at
+    (a dead weakref.proxy, a raising `__getattr__`) is left out."""
     torch = loaded_torch()
     if torch is None:
         return []
     reached: dict[str, dict[int, int]] = {}
     for name, value in variables.items():
-        if isinstance(value, SKIP_TYPES):
+        if skipped(value):
             continue
-        storages = storages_of(value)
+        try:
+            storages = storages_of(value)
+        except Exception:  # noqa: BLE001 - a hostile object: it holds nothing we can name
+            continue
         if storages:
             reached[name] = storages
     owners: dict[int, list[str]] = {}
@@ -70,7 +76,7 @@ def name_holders(variables: dict, storages_of=device_storages) -> list[Holder]:
             owners.setdefault(key, []).append(name)
     trained = set()
     for value in variables.values():
-        if isinstance(value, torch.optim.Optimizer):
+        if issubclass(type(value), torch.optim.Optimizer):
             trained.update(id(p) for group in value.param_groups for p in group["params"])
     held = []
     for name, storages in reached.items():
@@ -78,9 +84,30 @@ def name_holders(variables: dict, storages_of=device_storages) -> list[Holder]:
         own = sum(b for k, b in storages.items() if len(owners[k]) == 1)
         shared = sum(b for k, b in storages.items() if len(owners[k]) > 1)
         others = sorted({o for k in storages for o in owners[k] if o != name})
-        kind, what = _kind_and_what(value, torch)
-        training = kind == "optimizer" or (kind == "model" and any(
-            id(p) in trained or p.grad is not None for p in value.parameters()))
-        held.append(Holder(name, own, shared, kind, what, training, tuple(others)))
+        try:
+            kind, what = _kind_and_what(value, torch)
+            training = kind == "optimizer" or (kind == "model" and any(
+                id(p) in trained or p.grad is not None for p in value.parameters()))
+        except Exception:  # noqa: BLE001 - it reached tensors, but will not say what it is
+            kind, what, training = "object", type(value).__name__, False
+        held.append(Holder(name, own, shared, kind, what, training, tuple(others), storages))
     held.sort(key=lambda h: (-h.bytes, -h.shared, h.name))
     return held
+
+
+def union_bytes(holders, others=()) -> int:
+    """What deleting all of `holders` together gives back: each storage they reach once (a pair of lists
+    that keep the same graphs frees it only together), less what any of `others` still reaches (a
+    logged loss's graph saved the model's weights: the model keeps them). Holders without their
+    storages count their own bytes."""
+    seen: dict[int, int] = {}
+    alone = 0
+    for h in holders:
+        if h.reached:
+            seen.update(h.reached)
+        else:
+            alone += h.bytes
+    for h in others:
+        for key in h.reached:
+            seen.pop(key, None)
+    return sum(seen.values()) + alone

@@ -9,11 +9,17 @@ classed storages up per device. No torch import here.
 """
 from __future__ import annotations
 
+from cuda_magic.devices.probe import real_storage
+
 #: The kinds, strongest first: a storage reached as several kinds is the first of them.
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "other")
 #: What PyTorch's allocator holds that the census did not find as a storage (allocator rounding,
 #: buffers held only by C++): the rest of the device's allocated bytes, where there is a rest.
 UNSEEN = "unseen"
+#: At an out-of-memory error: what the failing operation held when it ran out and let go of as the error
+#: unwound (its intermediate results, which no Python object names): the figure the message states
+#: less what was allocated once the error reached the guard.
+IN_FAILING_OP = "in_failing_op"
 KIND_LABELS = {
     "parameters": "parameters",
     "gradients": "gradients",
@@ -21,6 +27,7 @@ KIND_LABELS = {
     "activations": "activations kept by graphs",
     "other": "other tensors",
     UNSEEN: "not seen by the census",
+    IN_FAILING_OP: "held by the failing operation",
 }
 #: The ranks, strongest first: KINDS with module buffers (shown as 'other') placed before activations.
 _RANKED = ("parameters", "gradients", "optimizer_state", "other", "activations", "other")
@@ -49,10 +56,12 @@ class KindMarker:
 
     def _mark(self, t, kind: int) -> None:
         try:
-            if t.is_meta or t.layout != self.torch.strided:
+            if t.layout != self.torch.strided:
                 return
-            storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
+            return
+        storage = real_storage(t)        # fake, meta and wrapper tensors hold nothing of their own
+        if storage is None:
             return
         key = storage._cdata
         if key not in self.records:

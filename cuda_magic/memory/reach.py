@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 
-from cuda_magic.devices.probe import has_gpu, loaded_torch
+from cuda_magic.devices.probe import has_gpu, loaded_torch, real_storage
 
 #: Objects visited at most by one reachability walk, and how deep it goes.
 DEFAULT_LIMIT = 100_000
@@ -16,6 +17,26 @@ DEFAULT_DEPTH = 8
 SKIP_TYPES = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.CodeType, types.FrameType, types.TracebackType, str, bytes, int, float, complex, bool,
               type(None))
+#: Weak references and proxies: a proxy forwards every attribute, `__class__` included, to its referent,
+#: and raises ReferenceError once that is gone; they keep nothing alive, so the walks never follow them.
+REFUSING = frozenset({weakref.ProxyType, weakref.CallableProxyType, weakref.ReferenceType})
+
+
+def skipped(value) -> bool:
+    """What the walks of the namespace do not follow, decided by the type alone (no `isinstance`, which
+    a dead weakref.proxy answers with ReferenceError)."""
+    cls = type(value)
+    return cls in REFUSING or issubclass(cls, SKIP_TYPES)
+
+
+def object_dict(obj) -> dict | None:
+    """`vars(obj)`, or None where it has none or refuses to give it (a property or `__getattr__` that
+    raises, a proxy whose referent is gone)."""
+    try:
+        attrs = vars(obj)
+    except Exception:  # noqa: BLE001 - any object may refuse: nothing to walk
+        return None
+    return attrs if type(attrs) is dict else None
 
 
 def device_kinds() -> tuple[str, ...]:
@@ -33,7 +54,7 @@ def is_device_tensor(t) -> bool:
         kind = t.device.type
     except Exception:  # exotic subclasses (fake/functional tensors) may refuse; they hold no memory here
         return False
-    return kind in device_kinds()
+    return kind in device_kinds() and real_storage(t) is not None
 
 
 def storage_key_and_bytes(t) -> tuple[int, int]:
@@ -68,37 +89,42 @@ def iter_tensors(obj, *, limit: int = DEFAULT_LIMIT, depth: int = DEFAULT_DEPTH)
     budget = limit
     while stack and budget > 0:
         item, level = stack.pop()
-        if id(item) in seen or isinstance(item, SKIP_TYPES):
+        if id(item) in seen or skipped(item):
             continue
         seen[id(item)] = item
         budget -= 1
-        if issubclass(type(item), tensor_type):
+        cls = type(item)
+        if issubclass(cls, tensor_type):
             yield item
             for extra in _tensor_extras(item):
                 stack.append((extra, level + 1))
             continue
-        if level >= depth:
+        # a graph's nodes do not count against the depth: a logged loss keeps a graph as deep as the
+        # model, and what deleting the name gives back is all of it (the walk's budget still bounds it)
+        if level >= depth and not issubclass(cls, node_type):
             continue
-        children = ()
-        if isinstance(item, module_type):
-            children = _module_children(item)
-        elif isinstance(item, optimizer_type):
-            children = [list(item.state.items()), item.param_groups]
-        elif isinstance(item, dict):
-            children = [c for kv in list(item.items()) for c in kv]
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            children = list(item)
-        elif isinstance(item, node_type):
-            children = _graph_node_children(item)
-        else:
-            try:
-                attrs = vars(item)
-            except TypeError:  # no __dict__ (slots, C types)
-                attrs = None
-            if isinstance(attrs, dict):
-                children = list(attrs.values())
+        try:
+            children = _children(item, cls, module_type, optimizer_type, node_type)
+        except Exception:  # noqa: BLE001 - a hostile object (its __getattr__ or __len__ raises): skipped
+            continue
+        child_level = level if issubclass(cls, node_type) else level + 1
         for child in children:
-            stack.append((child, level + 1))
+            stack.append((child, child_level))
+
+
+def _children(item, cls, module_type, optimizer_type, node_type) -> list:
+    if issubclass(cls, module_type):
+        return _module_children(item)
+    if issubclass(cls, optimizer_type):
+        return [list(item.state.items()), item.param_groups]
+    if issubclass(cls, dict):
+        return [c for kv in list(item.items()) for c in kv]
+    if issubclass(cls, (list, tuple, set, frozenset)):
+        return list(item)
+    if issubclass(cls, node_type):
+        return _graph_node_children(item)
+    attrs = object_dict(item)
+    return list(attrs.values()) if attrs is not None else []
 
 
 def _tensor_extras(t):

@@ -6,16 +6,19 @@ without a GPU. `explain(exc_or_text)` is the public entry point (`cuda_magic.oom
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cuda_magic.devices.allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
-from cuda_magic.memory.holders import Holder
+from cuda_magic.memory.holders import Holder, union_bytes
+from cuda_magic.oom.cell_reading import CellReading
 from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
 from cuda_magic.oom.findings import Advice, Diagnosis, OomFields
 from cuda_magic.units import format_bytes
 
 CAUSE_LABELS = {
+    "cap_below_held": "a cap below what the notebook already holds",
     "request_exceeds_capacity": "one allocation larger than the device",
+    "graphs_in_evaluation": "autograd graphs kept by a pass that only evaluates",
     "too_large": "working set too large for the device",
     "fragmentation": "fragmentation of PyTorch's cache",
     "other_processes": "memory held by other processes",
@@ -63,6 +66,13 @@ class CellFacts:
     inference: bool = False
     retried: bool = False
     top_line: tuple[int, str, str] | None = None
+    cell: CellReading = CellReading()     # what the failing cell's source (and its functions) already does
+    in_use: frozenset = frozenset()       # names the failing cell uses: never advised to delete
+    grown: frozenset | None = None        # containers that grew during the run; None: not known
+    by_kind: dict = field(default_factory=dict)   # memory.kinds: the device's tensors by kind at the failure
+    held_at_start: int | None = None      # allocated when the run began (a -l cap counts it too)
+    independent: bool = False             # the retry found that the memory does not depend on batch_var
+    backward: bool = False                # it ran out in the backward pass
 
 
 @dataclass(frozen=True)
@@ -106,16 +116,25 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
     limited = capacity is not None and capacity != device_cap
     request, free = fields.requested, fields.free
     shortfall = max(0, request - free) if request is not None and free is not None else request
-    held = _listed(holders, shortfall)
-    held_total = sum(h.bytes for h in held)
+    held = _listed(holders, shortfall, facts)
+    listed = {id(h) for h in held}
+    held_total = union_bytes(held, [h for h in map(_as_holder, holders) if id(h) not in listed])
     # Plenty free and still out of memory: a limit or the driver, not what holds memory here. (A few
     # MiB free on a full device is no room: the allocator asks the driver for whole segments.)
     plenty_free = (shortfall == 0 and free is not None and capacity is not None
                    and free > _SHARE * capacity and not limited)
 
     found: dict[str, int] = {}
-    if request is not None and capacity and request > capacity:
+    held_at_start = facts.held_at_start
+    if limited and held_at_start and capacity and held_at_start >= capacity:
+        found["cap_below_held"] = held_at_start
+    elif request is not None and capacity and request > capacity:
         found["request_exceeds_capacity"] = request
+    activations = facts.by_kind.get("activations", 0)
+    kinds_total = sum(facts.by_kind.values())
+    if (not facts.inference and facts.cell.evaluates and not facts.backward and kinds_total
+            and activations >= 0.5 * kinds_total):
+        found["graphs_in_evaluation"] = activations
 
     # With plenty reported free, what holds memory here is no cause; memory held outside PyTorch and
     # fragmentation still are where they exceed what was free beyond the request (the free figure may
@@ -146,7 +165,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
     sources = (fields.this_process, fields.allocated_by_torch, peak) if fields.backend == "mps" else (
         fields.allocated_by_torch, peak, fields.this_process)
     working = next((v for v in sources if v is not None), None)
-    if request is not None and "request_exceeds_capacity" not in found:
+    if request is not None and not {"request_exceeds_capacity", "cap_below_held"} & set(found):
         recoverable = sum(found.get(k, 0) for k in ("fragmentation", "other_processes", "names_holding"))
         kept = held_total if "names_holding" in found else 0
         too_large = free is not None and shortfall > recoverable
@@ -167,6 +186,11 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
         causes.insert(0, "fragmentation")
     if plenty_free:
         causes.append("free_reported")
+    # what no clean-up changes, then a pass that should not record graphs at all, come first
+    for first in ("graphs_in_evaluation", "request_exceeds_capacity", "cap_below_held"):
+        if first in causes:
+            causes.remove(first)
+            causes.insert(0, first)
     causes = causes or ["unknown"]
     ctx = Context(fields, facts, capacity, limited, tuple(held), found, estimated, tuple(causes))
     return Diagnosis(causes=causes, summary=_summary(ctx), advice=_advice(ctx), holders=held)
@@ -189,20 +213,28 @@ def _as_holder(h) -> Holder:
     return Holder(name, int(nbytes or 0), kind="graph" if _with_graph(name) else "tensor")
 
 
-def _expected(h: Holder) -> bool:
-    """A model being trained and its optimizer: memory the cell needs, not a surprise."""
-    return h.training and h.kind in ("model", "optimizer")
+def _expected(h: Holder, facts: CellFacts) -> bool:
+    """Memory the cell needs, not a surprise: a model being trained and its optimizer, a model or
+    optimizer the failing cell uses, and anything else it uses that did not grow while it ran (its input,
+    a batch dict: the cell makes them again). What the cell appends to as it runs is the classic leak."""
+    if h.kind in ("model", "optimizer"):
+        return h.training or h.name in facts.in_use
+    grew = facts.grown is not None and h.name in facts.grown
+    return h.name in facts.in_use and not grew and not (facts.grown is None and h.kind == "graph")
 
 
-def _listed(holders, shortfall: int | None) -> list[Holder]:
-    """The holders worth naming, largest first: a model being trained and its optimizer only where
-    deleting one alone would make the request fit."""
+def _listed(holders, shortfall: int | None, facts: CellFacts) -> list[Holder]:
+    """The holders worth naming, largest first: what the cell needs (`_expected`) only where deleting
+    it alone would make the request fit, and never a module or optimizer the cell uses."""
     out = []
     for h in map(_as_holder, holders):
-        if h.bytes <= 0:
-            continue
-        if _expected(h) and not (shortfall and h.bytes >= shortfall):
-            continue
+        if h.bytes <= 0 and not (h.kind == "graph" and h.shared > 0):
+            continue   # nothing of its own: unless it keeps graphs that other names keep too (logged losses
+                       # and collected outputs of the same steps), which go only when all of them go
+        if _expected(h, facts):
+            in_use_model = h.kind in ("model", "optimizer") and h.name in facts.in_use
+            if in_use_model or not (shortfall and h.bytes >= shortfall):
+                continue
         out.append(h)
     return sorted(out, key=lambda h: -h.bytes)
 
@@ -249,12 +281,24 @@ def _summary(ctx: Context) -> str:
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
     if len(phrases) > 1:
         second += "; also " + "; ".join(phrases[1:])
+    if ctx.facts.independent:
+        what = (f"`{top[1]}` at {top[2]} ({format_bytes(top[0])})" if top is not None
+                else "what the figures above name")
+        second = (f"The cell's memory does not depend on {ctx.batch}: it failed on the same request at every "
+                  f"value, and what fills the device is {what}. {second}")
     return f"{first}. {second}."
 
 
 def _phrase(cause: str, ctx: Context) -> str:
     f: OomFields = ctx.fields
     cap, found = ctx.capacity, ctx.found
+    if cause == "cap_below_held":
+        return (f"the cap of {format_bytes(cap)} is below what the notebook already held when the cell started "
+                f"({format_bytes(found[cause])}), so the cell could allocate nothing new")
+    if cause == "graphs_in_evaluation":
+        total = sum(ctx.facts.by_kind.values())
+        return (f"the cell only evaluates (it runs no backward pass), yet autograd keeps each forward pass's "
+                f"activations for one: {format_bytes(found[cause])} of the {format_bytes(total)} at the failure")
     if cause == "request_exceeds_capacity":
         whole = "all this process may use" if ctx.limited else "the whole device"
         return (f"a single allocation of {format_bytes(f.requested)} is larger than {whole} "
@@ -312,6 +356,8 @@ def _free_phrase(f: OomFields) -> str:
 # -- advice ---------------------------------------------------------------------------------------
 
 _PLAN = {
+    "cap_below_held": ("raise_cap", "delete", "freecuda"),
+    "graphs_in_evaluation": ("no_grad", "batch", "amp"),
     "request_exceeds_capacity": ("split", "batch", "amp", "checkpoint"),
     "too_large": ("batch", "amp", "accumulate", "checkpoint", "freecuda"),
     "fragmentation": ("expandable", "freecuda", "batch"),
@@ -328,6 +374,8 @@ SHOWN = 5                             # the display shows this many: advice that
 
 def _advice(ctx: Context) -> list[Advice]:
     causes = ctx.causes
+    if causes[0] == "request_exceeds_capacity":
+        causes = causes[:1]        # no clean-up can make one allocation larger than the device fit
     advice, done = [], set()
     keys = [k for c in causes for k in _PLAN[c]] + list(_TAIL)
     if ctx.inference:
@@ -370,8 +418,8 @@ def _container(name: str) -> str | None:
 
 
 def _batch(ctx):
-    if ctx.retried:
-        return None                   # a smaller batch already fitted
+    if ctx.retried or ctx.facts.independent:
+        return None                   # a smaller batch already fitted, or the memory does not follow it
     if ctx.api:
         line = f"@oomguard(retry=\"{ctx.batch}\", accumulate=\"{ctx.accum}\")"
         return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx.batch} "
@@ -382,8 +430,8 @@ def _batch(ctx):
 
 
 def _amp(ctx):
-    if ctx.amp:
-        return None
+    if ctx.amp or ctx.facts.cell.autocasts:
+        return None                   # the cell already runs in mixed precision
     f = ctx.fields
     device_type = {"cpu": "cpu", "simulated": "cpu", "mps": "mps", "xpu": "xpu"}.get(f.backend, "cuda")
     return Advice("Run in mixed precision: activations take half the memory, but autocast also keeps a "
@@ -394,7 +442,7 @@ def _amp(ctx):
 
 
 def _sequences(ctx):
-    if ctx.retried:
+    if ctx.retried or ctx.facts.independent:
         return None
     line = f"@oomguard(retry=\"{ctx.batch}\")" if ctx.api else f"%%oomguard -r {ctx.batch}"
     return Advice(f"Run fewer sequences per batch: without a graph, memory grows with the sequences in "
@@ -413,12 +461,16 @@ def _kv_cache(ctx):
 
 
 def _accumulate(ctx):
+    if ctx.facts.independent:
+        return None
     return Advice(f"Keep the effective batch with gradient accumulation: run {ctx.accum} smaller "
                   f"batches, scale each loss by 1/{ctx.accum}, and step the optimizer once after "
                   "them.", f"(loss / {ctx.accum}).backward()")
 
 
 def _checkpoint(ctx):
+    if ctx.facts.cell.checkpoints:
+        return None                   # the cell already checkpoints
     return Advice("Trade compute for memory with gradient checkpointing: activations of a block are "
                   "recomputed in the backward pass instead of kept.",
                   "y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)")
@@ -484,7 +536,9 @@ def _detach(ctx):
 
 
 def _cpu_metrics(ctx):
-    kept = _holders_where(ctx, lambda h: _container(h.description) is not None)
+    grown = ctx.facts.grown       # collected outputs grow as the cell runs; a batch dict does not
+    kept = _holders_where(ctx, lambda h: _container(h.description) is not None
+                          and (grown is None or h.name in grown))
     if not kept:
         return None
     # a container of graphs is the `.detach()` advice's; prefer one that only holds outputs
@@ -497,7 +551,8 @@ def _cpu_metrics(ctx):
 def _delete(ctx):
     if "request_exceeds_capacity" in ctx.causes:
         return None                   # no clean-up makes one allocation larger than the device fit
-    names = list(dict.fromkeys(v for _, v in _holders_where(ctx, lambda h: not _expected(h))))
+    names = list(dict.fromkeys(v for _, v in _holders_where(
+        ctx, lambda h: not _expected(h, ctx.facts) and h.name not in ctx.facts.in_use)))
     if not names:
         return None
     joined = " ".join(names)
@@ -508,6 +563,29 @@ def _delete(ctx):
     return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: `del {', '.join(names)}` and "
                   f"then `%freecuda`, or in one step (`--offload` moves them to the CPU instead).",
                   f"%freecuda {joined}")
+
+
+def _raise_cap(ctx):
+    held = ctx.found.get("cap_below_held") or 0
+    needed = held + (ctx.fields.requested or 0)
+    size = _round_up(needed * 5 // 4)
+    line = f'oomguard(limit="{size}")' if ctx.api else f"%%oomguard -l {size}"
+    return Advice(f"Set the cap above what is already held: {format_bytes(held)} was allocated before the cell "
+                  "started, and the cap counts it (on a GPU the memory fraction caps all that PyTorch reserves); "
+                  "or free what the notebook holds first.", line)
+
+
+def _round_up(nbytes: int) -> str:
+    """A size to type, at least `nbytes`: whole MiB below 1 GiB, else GiB to a tenth."""
+    if nbytes < 1024**3:
+        return f"{-(-nbytes // 1024**2)}MiB"
+    return f"{-(-nbytes * 10 // 1024**3) / 10:g}GiB"
+
+
+def _no_grad(ctx):
+    return Advice("Evaluate without autograd: under `torch.no_grad()` (or `torch.inference_mode()`) the forward "
+                  "pass keeps no activations for a backward pass that never comes.",
+                  "with torch.no_grad():\n    out = model(x)")
 
 
 def _contiguous(ctx):
@@ -521,7 +599,8 @@ _ADVICE = {
     "batch": _batch, "amp": _amp, "accumulate": _accumulate, "checkpoint": _checkpoint, "split": _split,
     "expandable": _expandable, "freecuda": _freecuda, "processes": _processes, "detach": _detach,
     "cpu_metrics": _cpu_metrics, "delete": _delete, "contiguous": _contiguous,
-    "sequences": _sequences, "generation": _generation, "kv_cache": _kv_cache,
+    "sequences": _sequences, "generation": _generation, "kv_cache": _kv_cache, "raise_cap": _raise_cap,
+    "no_grad": _no_grad,
 }
 
 

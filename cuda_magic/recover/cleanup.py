@@ -18,7 +18,7 @@ from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_ca
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
 from cuda_magic.memory.holders import name_holders
-from cuda_magic.memory.reach import SKIP_TYPES, device_storages, storage_key_and_bytes
+from cuda_magic.memory.reach import device_storages, skipped, storage_key_and_bytes
 from cuda_magic.recover.report import ReleaseReport
 
 
@@ -110,9 +110,12 @@ def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
     """(variable, bytes) for user variables holding device memory, largest first."""
     held = []
     for name, value in user_variables(shell).items():
-        if name in exclude or isinstance(value, SKIP_TYPES):
+        if name in exclude or skipped(value):
             continue
-        nbytes = sum(held_storages(value).values())
+        try:
+            nbytes = sum(held_storages(value).values())
+        except Exception:  # noqa: BLE001 - a hostile object (a raising __getattr__): it holds nothing we see
+            continue
         if nbytes > 0:
             held.append((name, nbytes))
     held.sort(key=lambda item: (-item[1], item[0]))

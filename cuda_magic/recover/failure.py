@@ -13,10 +13,12 @@ did not choose one), so "before", "after" and "reclaimed" all speak of the same 
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass
 
 from cuda_magic.devices.meter import capacity_of
 from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
+from cuda_magic.memory.kinds import IN_FAILING_OP
 from cuda_magic.oom.findings import OomFields
 from cuda_magic.paths import is_library_file
 from cuda_magic.recover.cleanup import empty_caches
@@ -37,6 +39,11 @@ class Failure:
     progress: object = None        # where in the model's forward pass it failed (recover.progress.Progress)
     replay: object = None          # what to measure the model with (recover.replay.Replay): holds the
                                    # model's input, so the retry takes it and drops it once measured
+    in_frames: frozenset = frozenset()   # ids of the modules and optimizers the failing frames held
+    source: str = ""               # the user's code the failing frames ran (the cell, its functions)
+    holders: tuple | None = None   # the names that held memory then (memory.holders.Holder), before undoing
+    in_use: frozenset = frozenset()      # the namespace's names the failing cell used
+    grown: frozenset = frozenset()       # the namespace's containers that grew during the run
 
 
 def kind_of(exc: BaseException) -> Outcome:
@@ -97,11 +104,56 @@ def read_failure(exc: BaseException, meter, *, filename: str | None = None,
     (for a retry's prediction)."""
     from cuda_magic.recover.replay import read_model_calls
 
-    allocated = read_counter(meter.allocated)
+    now = read_counter(meter.allocated)
     where, replay = read_model_calls(exc.__traceback__) if progress else (None, None)
-    return Failure(oom=oom_fields(exc) or OomFields(), point=failure_point(exc.__traceback__, filename, lines),
-                   allocated=allocated, reserved=read_counter(meter.reserved), by_kind=kinds_at_failure(meter, allocated),
-                   progress=where, replay=replay)
+    fields = oom_fields(exc) or OomFields()
+    by_kind = kinds_at_failure(meter, now)
+    # allocated when it ran out is the message's figure: by the time the error reaches the guard, the failed
+    # operation's intermediate results are gone (what it needed is at least that plus the request)
+    told = fields.allocated_by_torch
+    allocated = now
+    if meter.key != "cpu" and told is not None and now is not None and told > now:
+        by_kind[IN_FAILING_OP] = told - now
+        allocated = told
+    in_frames, source = frames_facts(exc.__traceback__, lines)
+    point = failure_point(exc.__traceback__, filename, lines)
+    if replay is not None and point is not None and hasattr(replay, "keep_output"):
+        from cuda_magic.recover.replay import output_kept
+
+        replay.keep_output = output_kept(point.text)
+    return Failure(oom=fields, point=point, allocated=allocated,
+                   reserved=read_counter(meter.reserved), by_kind=by_kind, progress=where, replay=replay,
+                   in_frames=in_frames, source=source)
+
+
+def frames_facts(tb, lines: list[str] | None) -> tuple[frozenset, str]:
+    """(ids of the modules and optimizers the failing frames hold, the source of the user's code they
+    ran: the cell's lines and the functions of the user's own files), read while the frames are alive."""
+    import inspect
+    import linecache
+
+    torch = sys.modules.get("torch")
+    held_types = (torch.nn.Module, torch.optim.Optimizer) if torch is not None else ()
+    ids: set[int] = set()
+    sources: list[str] = ["\n".join(lines)] if lines else []
+    seen_code = set()
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if held_types:
+            for value in list(frame.f_locals.values()) if frame.f_locals is not frame.f_globals else ():
+                if issubclass(type(value), held_types):
+                    ids.add(id(value))
+        if code not in seen_code and not is_library_file(code.co_filename):
+            seen_code.add(code)
+            try:
+                text = "".join(linecache.getlines(code.co_filename)) if code.co_name.startswith("<") \
+                    else inspect.getsource(code)
+            except (OSError, TypeError):
+                text = ""
+            sources.append(text)
+        tb = tb.tb_next
+    return frozenset(ids), "\n".join(sources)
 
 
 def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:

@@ -111,6 +111,7 @@ class GuardedRun:
         self.failure: Failure | None = None
         self.why = ""                   # why the value about to run was chosen (the retry policy's words)
         self._started = self._finished = False
+        self._lengths: dict[str, tuple[int, int]] = {}     # containers' (id, length) when the run began
         self._block = None              # begin() / record(): (start allocated, t0, the entered contexts,
                                         # whether the device's peak counter was reset for the run)
         self._counters_read = True      # the attempts' peaks are the device's counters
@@ -197,6 +198,7 @@ class GuardedRun:
         """Start the black box of a cell that IPython runs itself (`%oomguard on`); nothing else is
         touched (the device's own peak counter is the user's). Then `end(exc)`, or `discard()`."""
         self._started = True
+        self._lengths = container_lengths(self.shell)
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
         self._block = (read_counter(self.meter.allocated), time.perf_counter(), ExitStack(), False)
@@ -260,8 +262,10 @@ class GuardedRun:
         return Attempt(value, Outcome.OOM, peak, failure.oom.requested, duration, start), failure
 
     def _release(self, exc, failure: Failure, attempt: Attempt, *, undo=None) -> None:
-        """Outside the `except` block: undo the attempt's bindings, free what the failure held, and put the
-        failure on the report."""
+        """Outside the `except` block: what the namespace held at the failure (before the attempt is undone:
+        each failure is explained from its own names), then undo the attempt's bindings, free what the
+        failure held, and put the failure on the report."""
+        self._names_at(failure)
         if undo is not None:
             undo()
         shown = self.options.shown_by_ipython
@@ -273,6 +277,20 @@ class GuardedRun:
         if attempt.reclaimed is not None:
             report.reclaimed[self.meter.key] = attempt.reclaimed     # per clean-up, never summed
         self.failure = failure
+
+    def _names_at(self, failure: Failure) -> None:
+        """The names holding memory at the failure, those the failing cell uses (it reads them, or its
+        frames hold their modules and optimizers), and the containers that grew during the run."""
+        from cuda_magic.ipython import user_variables
+        from cuda_magic.oom.cell_reading import names_in
+        from cuda_magic.recover.cleanup import shared_holders
+
+        variables = user_variables(self.shell)
+        failure.holders = tuple(shared_holders(self.shell))
+        used = names_in(failure.source)
+        failure.in_use = frozenset(n for n, v in variables.items() if n in used or id(v) in failure.in_frames)
+        failure.grown = frozenset(n for n, (ident, length) in self._lengths.items()
+                                  if id(variables.get(n)) == ident and _length(variables[n]) > length)
 
     def _record(self, attempt: Attempt) -> Attempt:
         attempt.reason = self.why
@@ -299,6 +317,7 @@ class GuardedRun:
         if self._started:
             return
         self._started = True
+        self._lengths = container_lengths(self.shell)
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -344,23 +363,50 @@ class GuardedRun:
                                         limited=limit is not None, lines=lines, failed=failed)
 
     def _diagnose(self):
+        """The last failure's diagnosis, from what was true at that failure: its names, its frames, its
+        black box (never what a later attempt or the retry's measuring left)."""
         from cuda_magic.devices.allocator_conf import current_allocator_conf
+        from cuda_magic.oom.cell_reading import read_cell
         from cuda_magic.oom.diagnosis import CellFacts, diagnose
         from cuda_magic.recover.cleanup import shared_holders
 
-        report = self.report
+        report, failure = self.report, self.failure
         box = report.blackbox
         failed = box.failure if box is not None else None
         top = box.top if box is not None and box.at == "failure" else None
+        holders = failure.holders if failure is not None and failure.holders is not None else shared_holders(self.shell)
+        start = report.attempts[-1].start_allocated if report.attempts else None
         facts = CellFacts(
-            holders=tuple(shared_holders(self.shell)), amp=self.options.amp is not None,
+            holders=tuple(holders), amp=self.options.amp is not None,
             device_capacity=capacity_of(self.meter), peak=report.peaks.get(self.meter.key),
             alloc_conf=current_allocator_conf(), limit=report.limit, batch_var=report.variable,
             accum_var=report.accumulate, api=report.api,
             inference=failed is not None and failed.grad_enabled is False,
             retried=report.outcome == Outcome.RECOVERED,
-            top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None)
+            top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None,
+            cell=read_cell(failure.source if failure is not None else ""),
+            in_use=failure.in_use if failure is not None else frozenset(),
+            grown=failure.grown if failure is not None else frozenset(),
+            by_kind=dict(failure.by_kind or {}) if failure is not None else {},
+            held_at_start=start, independent=report.retry is not None and report.retry.independent,
+            backward=failed is not None and failed.phase == "backward")
         return diagnose(report.oom, facts)
+
+
+def container_lengths(shell) -> dict[str, tuple[int, int]]:
+    """(id, length) of the lists, dicts, sets and deques among the user's names, where there is a shell:
+    what grows during a run (logged losses, collected outputs) is then known."""
+    if shell is None:
+        return {}
+    from cuda_magic.ipython import user_variables
+
+    return {n: (id(v), _length(v)) for n, v in user_variables(shell).items() if _length(v) is not None}
+
+
+def _length(value) -> int | None:
+    if type(value) in (list, dict, set) or type(value).__name__ == "deque":
+        return len(value)
+    return None
 
 
 def _start_recording(meter, filename: str | None, *, find_cell: bool = False):

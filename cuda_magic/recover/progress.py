@@ -28,6 +28,10 @@ class Progress:
     rest_bytes: int | None = None  # what the layers after the failing one will allocate, where the model
                                    # is a chain of layers whose output sizes are known (recover/shapes.py)
     cost: ModelCost | None = None  # the model's memory measured on slices of its input (recover/replay.py)
+    growth: float | None = None   # in a generation loop: how much longer the sequence gets after the step
+                                  # that failed (its final length over its length then) ...
+    cache_to_come: int | None = None   # ... and what the key/value cache adds by the end, per row, where
+                                       # the model's config says its size (layers, heads, head size)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class ModelCost:
     state_to_come: int = 0        # optimizer state the optimizer's first step will allocate
     probe_rows: tuple = ()        # the slices measured (rows)
     seconds: float = 0.0          # what measuring them took
+    forward_moments: tuple = ()   # (fixed, per_row) after each operation of the forward pass
+    entry_samples: tuple = ()     # the operations done when the failing module was entered, each time
+    whole_call: bool = False      # the lines cover all that the failing call holds (a generation loop's)
 
     def peak(self, rows: float, kept: bool = False) -> float:
         """The pass's peak above what was allocated before it, for a batch of `rows`; `kept`: with the
@@ -65,15 +72,39 @@ class ModelCost:
         """The bytes a row adds at the moment that is the peak for a batch of `rows`."""
         return max(self._all_lines(kept), key=lambda line: line[0] + line[1] * rows)[1]
 
+    def _before_failing_op(self, rows: int, held: int, requested: int | None) -> int | None:
+        moments = self.forward_moments
+        if not requested or not moments or not self.entry_samples:
+            return None
+        slack = max(4096, 0.02 * requested)
+
+        def at(k):
+            return 0.0 if k < 0 else moments[k][0] + moments[k][1] * rows
+
+        candidates = [at(k - 1) for start in self.entry_samples for k in range(start, len(moments))
+                      if abs(at(k) - at(k - 1) - requested) <= slack and at(k - 1) <= held]
+        return int(max(candidates)) if candidates else None
+
     def _all_lines(self, kept: bool) -> list:
         grads = self.grads if kept else self.grads_in_forward
         return [*self.lines, *((f + grads, r) for f, r in self.forward_lines),
                 *(self.kept_lines if kept else ())]
 
-    def held_by_model(self, rows: int, held: int) -> int:
-        """Of `held` bytes at the failure, the model's own activations: the latest call of the failing
-        module consistent with what was held."""
-        fits = [int(f + r * rows) for f, r in self.entries if 0 <= f + r * rows <= held]
+    def held_by_model(self, rows: int, held: int, requested: int | None = None) -> int:
+        """Of `held` bytes at the failure, the model's own activations. Where the failing operation can be
+        found in the measured pass (from an entry into the failing module, an operation that allocates
+        what the failure asked for, at `rows`), what the model held just before it, the latest consistent
+        with what was held; else the latest call of the failing module consistent with it, and where even
+        its first call would hold more, all of it (it failed early in that call)."""
+        if self.whole_call:
+            return held
+        found = self._before_failing_op(rows, held, requested)
+        if found is not None:
+            return found
+        at_calls = [int(f + r * rows) for f, r in self.entries]
+        fits = [b for b in at_calls if 0 <= b <= held]
+        if not fits and at_calls and min(at_calls) > held:
+            return held
         return max(fits, default=0)
 
 
@@ -121,6 +152,42 @@ def module_calls(tb, torch) -> ModuleCalls | None:
     if not chain:
         return None
     return ModuleCalls(chain, root_args, root_kwargs, first_arg, frames)
+
+
+GENERATION_CALLS = {"generate", "_sample", "_prefill", "_greedy_search", "greedy_search", "sample",
+                    "_beam_search", "beam_search", "_assisted_decoding", "_contrastive_search"}
+
+
+def generation_growth(frames) -> tuple[int, int] | None:
+    """Where the model was called by a generation loop (transformers' `generate`: the frames of its
+    generation utilities), the length of the failing step's input and the sequence's final length (the
+    generation config's max_length). None outside one, or where the loop does not say."""
+    for frame in frames or ():
+        code = frame.f_code
+        if code.co_name not in GENERATION_CALLS or "generation" not in code.co_filename.replace("\\", "/"):
+            continue
+        local = frame.f_locals
+        ids, config = local.get("input_ids"), local.get("generation_config")
+        final = getattr(config, "max_length", None)
+        length = ids.shape[-1] if getattr(ids, "dim", lambda: 0)() >= 2 else None
+        if isinstance(final, int) and length:
+            return int(length), max(int(length), final)
+    return None
+
+
+def cache_bytes_per_token(root) -> int | None:
+    """The key/value cache a decoder adds per token and row, from its config (transformers' names):
+    keys and values for every layer, kv heads x head size, in the model's dtype. None where not said."""
+    config = getattr(root, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads if heads else None)
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim):
+        return None
+    size = next((p.element_size() for p in root.parameters() if p.is_floating_point()), 4)
+    return 2 * layers * kv_heads * head_dim * size
 
 
 def leaf_modules(root) -> list | None:

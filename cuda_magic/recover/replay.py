@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import loaded_torch
 from cuda_magic.oom.classify import oom_kind
-from cuda_magic.recover.progress import ModelCost, Progress, flat_items, module_calls, progress_of
+from cuda_magic.recover.progress import cache_bytes_per_token, generation_growth, ModelCost, Progress, flat_items, module_calls, progress_of
 
 SLICE = 32         # the smaller slice is this fraction of the failing batch's rows; the larger twice it
 MIN_ROWS = 2       # BatchNorm in training needs more than one value per channel
@@ -49,6 +49,8 @@ class Replay:
     optimizers: list
     grads_at_failure: int       # bytes of the model's parameter gradients when it failed
     state_at_failure: int       # bytes of its optimizers' state then
+    keep_output: bool = False   # the cell binds the model's output (`out = model(x)`): it lives through
+                                # the backward pass (a language model's logits are per row too)
 
     def measure(self, meter) -> ModelCost | None:
         """Run the model on two slices of the batch and fit its memory; None where it cannot be measured
@@ -75,7 +77,7 @@ class Replay:
             return None
         per_row = (large.peak - small.peak) / rows
         lines = [(small.peak - per_row * rows, per_row)]          # the peaks' own line
-        forward_lines, kept_lines = [], []
+        forward_lines, kept_lines, moments = [], [], []
         grads = _trainable_bytes(self.root)
         if len(small.samples) == len(large.samples) and small.backward_from == large.backward_from:
             moments = [(a - (b - a), (b - a) / rows) for a, b in zip(small.samples, large.samples)]
@@ -85,9 +87,12 @@ class Replay:
             kept_lines = envelope([(f - g + grads, r) for (f, r), g in
                                    zip(moments[small.backward_from:], large.grads[small.backward_from:])],
                                   self.rows)
-        entries = ()
+        entries, forward_moments, entry_samples = (), (), ()
         if len(small.entries) == len(large.entries):
             entries = tuple((a - (b - a), (b - a) / rows) for a, b in zip(small.entries, large.entries))
+            if small.entry_samples == large.entry_samples and len(small.samples) == len(large.samples):
+                forward_moments = tuple(moments[:small.backward_from])
+                entry_samples = tuple(small.entry_samples)
         device = _device_of(self.root)
         state_now = _state_bytes(self.optimizers, device, torch)
         fixed_held = (max(0, self.grads_at_failure - grads_start)
@@ -99,7 +104,8 @@ class Replay:
         return ModelCost(rows=self.rows, lines=tuple(lines), forward_lines=tuple(forward_lines),
                          grads_in_forward=0 if stepped_without else grads, kept_lines=tuple(kept_lines),
                          grads=grads,
-                         entries=entries, fixed_held=fixed_held,
+                         entries=entries, fixed_held=fixed_held, forward_moments=forward_moments,
+                         entry_samples=entry_samples,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
                          probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0)
 
@@ -112,6 +118,7 @@ class Replay:
 
         def at_entry(module, args):
             done.entries.append((meter.allocated() or 0) - before)
+            done.entry_samples.append(len(done.samples))
 
         args, kwargs = _sliced(self.args, rows, self.rows, torch), _sliced(self.kwargs, rows, self.rows, torch)
         handle = self.failing.register_forward_pre_hook(at_entry)
@@ -125,11 +132,13 @@ class Replay:
                   _sampling(meter, before, done, [p for p in params if p.requires_grad])):
                 out = self.root(*args, **kwargs)
                 loss = _loss(out, torch) if training else None
-                del out
+                if not self.keep_output:
+                    del out
+                    out = None
                 done.backward_from = len(done.samples)
                 if loss is not None:
                     loss.backward()
-                del loss
+                del loss, out
             done.peak = (meter.peak() or 0) - before
             return done
         finally:
@@ -147,6 +156,7 @@ class Pass:
     grads: list = field(default_factory=list)       # ... of which the parameters' gradients
     backward_from: int = 0                          # the first sample of the backward pass
     entries: list = field(default_factory=list)     # at each entry into the failing module
+    entry_samples: list = field(default_factory=list)   # ... the number of samples taken by then
 
 
 def envelope(lines, rows: int, points: int = 64) -> list:
@@ -190,6 +200,18 @@ def read_model_calls(tb) -> tuple[Progress | None, Replay | None]:
     calls = module_calls(tb, torch)
     if calls is None:
         return None, None
+    lengths = generation_growth(calls.frames)
+    if lengths is not None:
+        # a generation loop fails late: the step that failed is one of many, on a growing sequence; one
+        # forward pass measured on a slice says nothing of the steps to come
+        from cuda_magic.recover.generation import generation_replay
+
+        replay = generation_replay(calls.frames, torch)
+        calls.frames = None
+        length, final = lengths
+        per_token = cache_bytes_per_token(calls.root)
+        return Progress(1.0, growth=final / length,
+                        cache_to_come=None if per_token is None else per_token * (final - length)), replay
     progress = progress_of(calls, torch)
     replay = replay_of(calls, torch) if progress is not None else None
     calls.frames = None
@@ -321,3 +343,16 @@ def _full_state(optimizers, device, torch) -> int:
         total += per * sum(p.numel() * p.element_size() for g in groups for p in g["params"]
                            if p.requires_grad and (device is None or p.device == device))
     return total
+
+
+def output_kept(line: str) -> bool:
+    """Whether a cell's line binds a model call's result to a name (`out = model(x)`, `logits, h = m(x)`),
+    so that the output lives on; not where the call is an argument (`loss = f(model(x), y)`)."""
+    import ast
+
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return False
+    node = tree.body[0] if tree.body else None
+    return isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call)

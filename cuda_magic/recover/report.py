@@ -70,6 +70,7 @@ class Retry:
     original_accumulate: int | None = None
     final_accumulate: int | None = None
     search: bool = False                  # --search: probes rolled back, then one real run
+    independent: bool = False             # stopped: the cell's memory does not depend on the variable
 
     @property
     def restored(self) -> bool:

@@ -88,6 +88,12 @@ class Measured:
         needed, where = self.needed_at_least, self.progress
         if needed is None or not self.knows_progress:
             return needed
+        if where.growth is not None:
+            # a generation loop: what the failing step needed, and the key/value cache still to come for
+            # each row where the model says its size; else all of it taken to grow with the sequence
+            if where.cache_to_come is not None:
+                return needed + where.cache_to_come * self.value
+            return int(needed * where.growth)
         if where.rest_bytes is not None:
             # the layers still to run, from their sizes; the backward pass then holds, besides what the
             # forward pass kept, the gradient of an activation about as large as the failing one
@@ -105,7 +111,7 @@ class Measured:
             return None
         held = self.needed_at_least - (self.requested or 0)
         besides = max(0, held - cost.fixed_held)
-        other = (besides - cost.held_by_model(self.value, besides)) / self.value
+        other = (besides - cost.held_by_model(self.value, besides, self.requested)) / self.value
 
         def fits(u: int) -> bool:
             return cost.state_to_come + other * u + cost.peak(u, kept) <= available
@@ -165,6 +171,13 @@ def progress_prediction(m: Measured, available: int) -> Prediction:
     """From a failure a known share of the way through the model's forward pass: the whole training step
     estimated (`Measured.needed_estimate`), PROGRESS_SHARE of the value that fits in it."""
     estimate = int(m.value * available / m.needed_estimate)
+    if m.progress.growth is not None:
+        return Prediction(int(estimate * PROGRESS_SHARE),
+                          f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value} in a "
+                          f"generation loop: {format_bytes(m.needed_at_least)} needed at a step whose sequence is "
+                          f"still to grow {m.progress.growth:.1f}x"
+                          + (f", its key/value cache by {format_bytes(m.progress.cache_to_come)} a row"
+                             if m.progress.cache_to_come is not None else ""))
     how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
            else "the rest extrapolated")
     return Prediction(int(estimate * PROGRESS_SHARE),

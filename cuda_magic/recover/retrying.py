@@ -97,6 +97,7 @@ class RetryLoop:
             self._restore_values()
             report.outcome = Outcome.OOM
             last = report.attempts[-1].value
+            retry.independent = policy.independent
             why = policy.stop_reason if policy.independent else (
                 f"even {spec.variable}={last} ran out of memory (the floor is {spec.floor})")
             report.warnings.append(f"{why}; {self._restored_words()}")

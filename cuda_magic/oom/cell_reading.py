@@ -1,0 +1,52 @@
+"""What a cell already does, read from its source, so that advice does not suggest it again: gradient
+checkpointing, autocast, no_grad / inference_mode, a backward pass, an optimizer step; and the names it
+uses (advice never suggests deleting them). Pure: text in, facts out."""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+_CHECKPOINT = re.compile(r"\bcheckpoint(_sequential)?\s*\(|gradient_checkpointing_enable\s*\(|"
+                         r"gradient_checkpointing\s*=\s*True")
+_AUTOCAST = re.compile(r"\bautocast\s*\(|\.half\s*\(|torch\.(b?float16)\b|dtype\s*=\s*torch\.(b?float16)\b")
+_NO_GRAD = re.compile(r"\b(no_grad|inference_mode)\s*\(|@torch\.(no_grad|inference_mode)\b|\bset_grad_enabled\s*\(\s*False")
+_BACKWARD = re.compile(r"\.backward\s*\(|autograd\.grad\s*\(|\bbackward\s*\(")
+_STEP = re.compile(r"\.step\s*\(")
+_GENERATE = re.compile(r"\.generate\s*\(")
+
+
+@dataclass(frozen=True)
+class CellReading:
+    """What the source of the failing cell (and the functions it names) says it does already."""
+
+    names: frozenset[str] = frozenset()   # the names it reads or binds
+    checkpoints: bool = False             # gradient checkpointing
+    autocasts: bool = False               # mixed precision (autocast, half, bfloat16)
+    no_grad: bool = False                 # no_grad / inference_mode
+    backward: bool = False                # a backward pass (loss.backward(), autograd.grad)
+    steps: bool = False                   # an optimizer step
+    generates: bool = False               # model.generate(...)
+
+    @property
+    def evaluates(self) -> bool:
+        """A forward pass only, with graphs recorded: no backward pass, no step, no no_grad."""
+        return not (self.backward or self.steps or self.no_grad)
+
+
+def read_cell(source: str) -> CellReading:
+    """The facts of a cell's source ('' gives none)."""
+    text = source or ""
+    return CellReading(names=frozenset(names_in(text)), checkpoints=bool(_CHECKPOINT.search(text)),
+                       autocasts=bool(_AUTOCAST.search(text)), no_grad=bool(_NO_GRAD.search(text)),
+                       backward=bool(_BACKWARD.search(text)), steps=bool(_STEP.search(text)),
+                       generates=bool(_GENERATE.search(text)))
+
+
+def names_in(source: str) -> set[str]:
+    """Every name the source reads or binds (attribute roots included: `model.generate` -> model)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):      # magics inside a cell: the words still name things
+        return set(re.findall(r"\b[A-Za-z_]\w*\b", source))
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
