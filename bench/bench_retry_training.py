@@ -1,7 +1,7 @@
 """`-r`, `--search` and accelerate's `find_executable_batch_size` side by side on a training cell.
 
     .venv/bin/python bench/bench_retry_training.py [--start N ...] [--capacity 64MiB] [--steps 3]
-        [--cell mlp|cnn|gpt] [--methods r search accelerate] [--maximum N]
+        [--cell mlp|cnn|gpt|llama|bert|generate] [--methods r search accelerate] [--maximum N]
 
 The cell: three optimizer steps (SGD with momentum) of an MLP with BatchNorm on random batches of `bs`
 rows, in a real IPython shell with `%gpumem --simulate 64MiB` on (every method runs on the same simulated
@@ -10,6 +10,9 @@ cell (attempts), total time against one clean run at the final value, the value 
 largest that fits (found by bisection, each probe from the start state), and whether the model and the
 optimizer afterwards equal one clean run's at the final value from the same start. accelerate is not a
 dependency of cuda_magic: without it, its row is skipped with a note.
+
+`--cell llama|bert|generate`: the real models of tests/model_cells.py (transformers, built from configs),
+on the capacity each is sized for unless --capacity says otherwise.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 SETUP = """
 import copy, random, gc
@@ -261,20 +265,27 @@ def main(argv=None) -> None:
     global CELL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--start", type=int, nargs="+", default=[4096, 1200])
-    parser.add_argument("--capacity", default="64MiB")
+    parser.add_argument("--capacity", help="the simulated GPU (default 64MiB, or the real model's own)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cell", choices=sorted(CELLS), default="mlp")
+    parser.add_argument("--cell", choices=sorted(CELLS) + ["bert", "generate", "llama"], default="mlp")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--maximum", type=int, help="the largest value that fits, if known (skips finding it)")
     args = parser.parse_args(argv)
-    what, setup, CELL = CELLS[args.cell]
+    if args.cell in CELLS:
+        what, setup, CELL = CELLS[args.cell]
+        capacity = args.capacity or "64MiB"
+    else:
+        from model_cells import MODELS
+
+        what, setup, CELL, cap, _ = MODELS[args.cell]
+        capacity = args.capacity or cap
     ip = shell()
-    ip.run_line_magic("gpumem", f"--simulate {args.capacity} -q")   # first: the model counts on it
+    ip.run_line_magic("gpumem", f"--simulate {capacity} -q")   # first: the model counts on it
     run(ip, setup)
     ip.user_ns["STEPS"] = args.steps
     maximum = args.maximum or largest_fitting(ip, max(args.start) * 2)
     print(f"command: .venv/bin/python bench/bench_retry_training.py {' '.join(argv or sys.argv[1:])}".rstrip())
-    print(f"cell: {what.format(steps=args.steps)}, simulated GPU of {args.capacity}; largest bs that fits: "
+    print(f"cell: {what.format(steps=args.steps)}, simulated GPU of {capacity}; largest bs that fits: "
           f"{maximum}\n")
     have_accelerate = True
     rows = []

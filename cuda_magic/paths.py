@@ -21,6 +21,15 @@ def is_library_file(filename: str) -> bool:
             or "/torch/" in name or filename.startswith(_STDLIB))
 
 
+def is_torch_or_python_file(filename: str) -> bool:
+    """Files of torch, of Python's standard library (not the packages installed under it) and of
+    cuda_magic: the library frames that are not a framework's training loop."""
+    name = filename.replace("\\", "/")
+    installed = "/site-packages/" in name or "/dist-packages/" in name
+    return (filename.startswith(PACKAGE_DIR) or "/torch/" in name
+            or (filename.startswith(_STDLIB) and not installed))
+
+
 def is_cell_file(filename: str) -> bool:
     """The file IPython compiled a cell under: `<ipython-input-N-...>` (IPython's terminal and IPython 7),
     `.../ipykernel_PID/HASH.py` (ipykernel: Jupyter, VS Code, Colab)."""

@@ -14,8 +14,9 @@ FLOOR=${FLOOR_TORCH:-2.2.2}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip() { $VENV/bin/python -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || return "${PIPESTATUS[0]}"; }
 mkdir -p artifacts
-# numpy 2 came after torch 2.2, whose wheels were built against numpy 1.
-printf 'torch==%s\nnumpy<2\n' "$FLOOR" > artifacts/floor-constraints.txt
+# numpy 2 came after torch 2.2, whose wheels were built against numpy 1; transformers 5 needs torch 2.6+
+# (4.57 is the last line that runs on 2.2).
+printf 'torch==%s\nnumpy<2\ntransformers<5\n' "$FLOOR" > artifacts/floor-constraints.txt
 pip install -q -c artifacts/floor-constraints.txt torch numpy
 pip install -q -c artifacts/floor-constraints.txt -e ".[test]"
 $VENV/bin/python - "$FLOOR" <<'PY'

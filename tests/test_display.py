@@ -81,7 +81,7 @@ def guard_report():
                 Advice("Turn on expandable segments",
                        "%env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")],
         holders=[Holder("losses", 2 * GiB, shared=1 * GiB, kind="graph", what="list of 300 scalar tensors with grad_fn",
-                        shared_with=("preds",)), Holder("<b>x</b>", 5 * MiB)])
+                        shared_with=("preds",)), Holder("<b>x</b>", 500 * MiB)])
     return GuardReport(
         device="cuda:0", before=before, after=after, peaks={"cuda:0": int(7.9 * GiB)}, attempts=attempts,
         retry=Retry("batch_size", 64, final=16), oom=oom, diagnosis=diagnosis,
@@ -539,3 +539,30 @@ def test_why_the_value_kept_was_tried_is_said_in_both_forms():
     assert "why batch_size" not in T.guard_text(report, running=True)
     report.attempts[2].reason = ""
     assert "why batch_size" not in T.guard_text(report)
+
+
+def test_the_approximate_peak_says_what_it_is_for_each_device():
+    """A --watch table's '~' peaks: the CPU's is the operating system's figure, MPS's (torch.mps keeps no peak
+    counter, backends.mps_device) the higher of two readings; exact peaks get no footnote."""
+    exact = [CellRecord(1, 0, GiB, True, 0.1, "cuda:0")]
+    mps = [CellRecord(2, 0, GiB, False, 0.1, "mps")]
+    assert L.approximate_note(exact) == ""
+    assert "~ approximate" not in T.history_text(exact) and "approximate" not in H.history_html(exact)
+    cpu_note = L.approximate_note(cell_records())
+    assert cpu_note == "~ approximate: the operating system's figure"
+    mps_note = L.approximate_note(mps)
+    assert "operating system" not in mps_note and "higher of the readings" in mps_note
+    both = L.approximate_note(cell_records() + mps)
+    assert "operating system's figure (CPU)" in both and "MPS" in both
+    assert T.history_text(mps).endswith(mps_note) and mps_note in H.history_html(mps)
+
+
+def test_names_too_small_to_matter_are_counted_not_listed():
+    """The report's "kept alive by names" line lists the names holding a share of the device (2%) or enough to
+    make the request fit; a 5 MiB name on an 8 GiB device is counted ("and 1 smaller"), still in the diagnosis."""
+    report = guard_report()
+    report.diagnosis.holders.append(Holder("tiny", 5 * MiB))
+    assert [h.name for h in report.holders_shown] == ["losses", "<b>x</b>"] and report.holders_hidden == 1
+    assert "and 1 smaller" in T.guard_text(report) and "and 1 smaller" in H.guard_html(report)
+    report.oom.free = 1 * GiB - 4 * MiB          # 4 MiB short: the 5 MiB name alone would make it fit
+    assert "tiny" in [h.name for h in report.holders_shown]

@@ -195,7 +195,7 @@ def test_names_holding_lists_them_and_advises_item_cpu_and_freecuda():
     assert d.advice[0].code == "losses.append(loss.item())  # not losses.append(loss)"
     assert "preds.append(out.detach().cpu())" in _codes(d)
     assert "%freecuda losses model preds" in _codes(d)
-    assert "losses (list of 300 tensors with grad_fn) (6.00 GiB)" in d.summary
+    assert "losses (6.00 GiB), model (2.00 GiB)" in d.summary      # what each is: d.holders and the report
     assert format_bytes(9 * GiB) in d.summary
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_ok
+from retry_helpers import largest
 
 SETUP = """
 import copy
@@ -44,42 +45,6 @@ def trainer(tip):
         yield tip
     finally:
         tip.run_line_magic("gpumem", "--simulate off -q")
-
-
-def fits(ip, cell: str, value: int) -> bool:
-    """Whether the cell runs at bs=value from the start state (reset() in the namespace)."""
-    from cuda_magic import release
-
-    run_ok(ip, f"reset()\nbs = {value}")
-    result = ip.run_cell(cell)
-    ok = result.success
-    del result
-    release(ip)
-    return ok
-
-
-def largest(ip, cell: str, pinned: int) -> int:
-    """The largest bs at which the cell fits, checked at the value pinned here (it fits, one more does
-    not: two runs); where this torch differs, found from the pin outward (doubling the step, then
-    bisecting), so the answer is the true largest either way."""
-    up = fits(ip, cell, pinned)
-    if up and not fits(ip, cell, pinned + 1):
-        return pinned
-    lo, hi, step = (pinned + 1, None, 1) if up else (None, pinned, 1)
-    while lo is None or hi is None:
-        if hi is None:
-            probe = lo + 2 * step
-            lo, hi = (probe, None) if fits(ip, cell, probe) else (lo, probe)
-        else:
-            probe = max(1, hi - 2 * step)
-            lo, hi = (probe, hi) if fits(ip, cell, probe) else (None, probe)
-            if lo is None and probe == 1:
-                raise AssertionError("the cell does not fit even at bs=1")
-        step *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(ip, cell, mid) else (lo, mid)
-    return lo
 
 
 # The largest bs at which each cell fits from its start state on torch 2.13 (CPU build), found by bisection

@@ -136,6 +136,9 @@ def test_a_variable_the_memory_does_not_depend_on_stops_after_two_attempts(tip):
     assert len(report.attempts) == 2 and report.outcome == "oom"
     assert tip.user_ns["bs"] == 4096
     assert any("does not depend on this value" in w and "bs restored to 4096" in w for w in report.warnings)
+    # issue 20 item 6: what follows is what the memory does depend on, not another smaller batch
+    assert "does not depend on bs" in report.diagnosis.summary
+    assert not any(c.startswith("%%oomguard -r") for c in (a.code or "" for a in report.diagnosis.advice))
 
 
 def test_reclaimed_is_per_clean_up_and_never_above_the_capacity(tip):

@@ -10,7 +10,6 @@ the CPU is shown (process memory, CPU tensors). The session's simulated device c
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch, mps_available

@@ -380,8 +380,9 @@ def choose_meter(device: str | None = None, limit=None):
         meter = XpuMeter(index)
         if limit is None or hasattr(meter.xpu, "set_per_process_memory_fraction"):
             return meter, limit.of(meter.capacity()) if limit is not None else None
-    if limit is not None:
-        return SimMeter(SimulatedDevice(limit.of(available_memory())), temporary=True), None
+    if limit is not None:            # the device is the cap; the report still says it is one
+        cap = limit.of(available_memory())
+        return SimMeter(SimulatedDevice(cap), temporary=True), cap
     return CpuMeter(), None
 
 

@@ -11,7 +11,7 @@ from html import escape
 from cuda_magic.devices.readings import PARTS
 from cuda_magic.display.blackbox_view import blackbox_html as box_html
 from cuda_magic.display.elements import BAR, CODE, COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box, html_table
-from cuda_magic.display.layout import kind_segments, shown_kinds
+from cuda_magic.display.layout import approximate_note, kind_segments, shown_kinds
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
@@ -242,7 +242,7 @@ def diagnosis_html(report) -> str:
                 f'<code style="{CODE}">{escape(h.description)}</code> {format_bytes(h.bytes)}'
                 + (f' <span style="{MUTED}">(+{format_bytes(h.shared)} shared with {escape(", ".join(h.shared_with[:3]))})</span>'
                    if h.shared else "") for h in report.holders_shown)
-            more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
+            more = f" and {report.holders_hidden} smaller" if report.holders_hidden else ""
             out.append(f"<div>Kept alive by names: {held}{more}</div>")
         if diag.advice:
             items = "".join(
@@ -273,7 +273,7 @@ def guard_title_html(report, running: bool = False) -> str:
 def notes_html(report) -> str:
     """What a rollback could not undo, and the warnings."""
     return "".join([f'<div style="color:#a15c00">not undone: {escape(w)}</div>' for w in report.not_undone]
-                   + [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings])
+                   + [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings_shown])
 
 
 def blackbox_html(report, running: bool = False) -> str:
@@ -323,8 +323,8 @@ def history_html(records, chart: str = "") -> str:
     if not records:
         return box("<div>No cells recorded: turn recording on with <code>%gpumem --watch</code>.</div>")
     table = html_table(["cell", "device", "allocated", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
-    approx = (f'<div style="{MUTED}">~ approximate: the operating system\'s figure</div>'
-              if any(not r.peak_exact for r in records) else "")
+    note = approximate_note(records)
+    approx = f'<div style="{MUTED}">{escape(note)}</div>' if note else ""
     chart = f'<div class="cuda-magic-history-chart">{chart}</div>' if chart else ""
     return box(chart + table + approx, "cuda-magic-watch")
 

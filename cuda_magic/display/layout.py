@@ -74,6 +74,18 @@ def in_use(dev) -> int | None:
     return dev.torch_allocated if dev.torch_allocated is not None else dev.other_this_process
 
 
+def approximate_note(records) -> str:
+    """The footnote of a --watch table with approximate peaks ('' where all are exact): on the CPU the
+    operating system's figure, on MPS (which keeps no peak counter) the higher of two readings."""
+    kinds = {r.device.split(":")[0] for r in records if not r.peak_exact and r.peak is not None}
+    said = []
+    if kinds - {"mps"}:
+        said.append("the operating system's figure" + (" (CPU)" if "mps" in kinds else ""))
+    if "mps" in kinds:
+        said.append("on MPS, which keeps no peak counter, the higher of the readings before and after the cell")
+    return "~ approximate: " + "; ".join(said) if said else ""
+
+
 def peak_words(peak: int | None, exact: bool) -> str:
     if peak is None:
         return "peak n/a"

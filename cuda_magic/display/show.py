@@ -10,7 +10,6 @@ The environment variable CUDA_MAGIC_DISPLAY=text|html|widget forces a form.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from dataclasses import replace
 

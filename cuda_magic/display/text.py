@@ -13,7 +13,7 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        short_dtype, shape_text, hidden_tensors, oom_items, oom_title,
                                        guard_title, value_words, value_reason, reclaimed_words, attempt_rows,
                                        attempt_headers)
-from cuda_magic.display.layout import KIND_BAR_WIDTH, kind_segments, shown_kinds
+from cuda_magic.display.layout import KIND_BAR_WIDTH, approximate_note, kind_segments, shown_kinds
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.display.blackbox_view import timeline_text
 from cuda_magic.display.elements import shorten, table, wrap_items
@@ -218,7 +218,7 @@ def guard_text(report, running: bool = False) -> str:
         lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")
         if report.holders_shown:
             held = ", ".join(holder_words(h) for h in report.holders_shown)
-            more = f" and {report.holders_hidden} more" if report.holders_hidden else ""
+            more = f" and {report.holders_hidden} smaller" if report.holders_hidden else ""
             lines += textwrap.wrap(f"  kept alive by names: {held}{more}", 100, subsequent_indent="    ")
         if diag.advice:
             lines.append("Try, most useful first:")
@@ -229,7 +229,7 @@ def guard_text(report, running: bool = False) -> str:
     if report.show_reclaimed and not running:
         lines.append(reclaimed_words(report))
     lines += [f"not undone: {w}" for w in report.not_undone]
-    lines += [f"warning: {w}" for w in report.warnings]
+    lines += [f"warning: {w}" for w in report.warnings_shown]
     return "\n".join(lines)
 
 
@@ -263,6 +263,7 @@ def history_text(records) -> str:
              format_duration(r.duration)] for r in records]
     lines = ["Per-cell memory (%gpumem --watch)"]
     lines += table(["cell", "device", "allocated", "peak", "duration"], rows, right={0, 2, 3, 4})
-    if any(not r.peak_exact for r in records):
-        lines.append("~ approximate: the operating system's figure")
+    note = approximate_note(records)
+    if note:
+        lines.append(note)
     return "\n".join(lines)

@@ -28,6 +28,10 @@ class CompiledCell:
         self.code = compile(module, self.filename, "exec", flags=flags, dont_inherit=True)
         self.lines = self.source.splitlines()
         self.is_async = any(_awaits(c) for c in (self.code, self.last) if c is not None)
+        # `%%time` first: IPython runs the rest compiled as "<timed exec>" (no source kept); its lines
+        # are the cell's from the second on
+        first, _, body = cell.partition("\n")
+        self.timed_lines = tuple(body.splitlines()) if first.strip() == "%%time" else None
 
     def __call__(self):
         """Run the body; for a body with top-level `await`, return the coroutine that runs it."""

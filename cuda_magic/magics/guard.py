@@ -113,7 +113,8 @@ class GuardMagics(Magics):
             self._expandable_segments(args.quiet)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
         options = GuardOptions(retry=retry, limit=limit, amp=args.amp, timeline=timeline,
-                               filename=compiled.filename, lines=tuple(compiled.lines))
+                               filename=compiled.filename, lines=tuple(compiled.lines),
+                               timed_lines=compiled.timed_lines)
         run = GuardedRun(meter, options, values=ns, namespace=ns, shell=self.shell,
                          on_note=None if args.quiet else _print_note)
         run.start()                        # the device before, shown by the running view

@@ -108,12 +108,20 @@ class BlackBox(Rendered):
         return frame.astype({"line": "Int64", "bytes": "int64", "tensors": "int64"})
 
 
-def _line_use(recorder: Recorder, site: int, nbytes: int, count: int, lines: list[str] | None) -> LineUse:
+TIMED = "<timed exec>"          # what IPython's %%time compiles a cell's body as
+
+
+def _line_use(recorder: Recorder, site: int, nbytes: int, count: int, lines: list[str] | None,
+              timed: tuple | None = None) -> LineUse:
     filename, line, function, cell_line = recorder.sites[site]
     if site == BEFORE:
         return LineUse(None, None, None, BEFORE_TEXT, nbytes, count)
     if filename == NO_FRAMES:
         return LineUse(NO_FRAMES, None, None, NO_FRAMES_TEXT, nbytes, count)
+    if filename == TIMED and timed is not None and line:   # a `%%time` cell: its line k is the cell's k + 1
+        code = _COMMENT.sub("", timed[line - 1].strip()) if line <= len(timed) else ""
+        return LineUse(recorder.cell_filename, line + 1, function, code, nbytes, count, cell_line=line + 1,
+                       in_cell=True)
     in_cell = filename is not None and filename == recorder.cell_filename
     if filename is None:      # only the cell's line is known
         return LineUse(None, None, None, _source(recorder.cell_filename, cell_line, lines), nbytes, count,
@@ -155,19 +163,20 @@ def _merge(uses: list[LineUse]) -> list[LineUse]:
 
 
 def blackbox_from(recorder: Recorder, *, device: str = "", capacity: int | None = None, limited: bool = False,
-                  lines: list[str] | None = None, failed: bool = True) -> BlackBox:
+                  lines: list[str] | None = None, failed: bool = True, timed: tuple | None = None) -> BlackBox:
     """The record of a recording. `lines`: the cell's source lines (for lines of the cell itself).
-    `failed`: the run ended in an out-of-memory error (by line at the failure), else at the peak."""
+    `failed`: the run ended in an out-of-memory error (by line at the failure), else at the peak.
+    `timed`: a cell that starts with `%%time`: its lines after that one (run as "<timed exec>")."""
     points = [(s, a, n, kind) for s, kind, _, a, _, n in recorder.events]
     failure = recorder.failures[-1] if failed and recorder.failures else None
     if failure is not None:
         sites, at = failure.by_site, "failure"
     else:
         sites, at = recorder.at_peak(), "peak"
-    by_line = _merge([_line_use(recorder, s, b, n, lines) for s, (b, n) in sites.items() if n > 0 or b > 0])
+    by_line = _merge([_line_use(recorder, s, b, n, lines, timed) for s, (b, n) in sites.items() if n > 0 or b > 0])
     request = None
     if failure is not None:
-        where = _line_use(recorder, failure.site, failure.requested, 1, lines) if failure.site != BEFORE else None
+        where = _line_use(recorder, failure.site, failure.requested, 1, lines, timed) if failure.site != BEFORE else None
         request = FailedRequest(failure.requested, failure.seconds, failure.attempt, failure.allocated, where,
                                 failure.grad_enabled, failure.phase)
     return BlackBox(device=device, points=points, capacity=capacity, limited=limited, peak=recorder.peak,

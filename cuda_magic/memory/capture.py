@@ -9,9 +9,10 @@ from cuda_magic.ipython import output_hist, shell_or_current, user_variables
 
 
 def user_namespace(shell):
-    """(the user's own variables, the output cache) that name tensors; (None, None) outside IPython."""
+    """(the user's own variables, the output cache) that name tensors; outside IPython `__main__`'s
+    variables (a script's), as the release names them, and no output cache."""
     if shell is None:
-        return None, None
+        return user_variables(None), None
     return user_variables(shell), output_hist(shell)
 
 

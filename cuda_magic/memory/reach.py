@@ -4,7 +4,6 @@ torch is looked up in sys.modules, never imported: a tensor exists only once the
 from __future__ import annotations
 
 import functools
-import sys
 import types
 import weakref
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from cuda_magic.reprs import Rendered
 
-from cuda_magic.devices.readings import PARTS, DeviceMemory
+from cuda_magic.devices.readings import PARTS, DeviceMemory, ProcessMemory
 
 @dataclass
 class TensorRecord:

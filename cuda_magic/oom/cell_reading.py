@@ -1,6 +1,7 @@
 """What a cell already does, read from its source, so that advice does not suggest it again: gradient
-checkpointing, autocast, no_grad / inference_mode, a backward pass, an optimizer step; and the names it
-uses (advice never suggests deleting them). Pure: text in, facts out."""
+checkpointing, autocast, no_grad / inference_mode, a backward pass, an optimizer step; the names it uses
+(advice never suggests deleting them); and the settings of a framework's trainer on its stack (the
+caller reads them: recover.trainers). Pure: text in, facts out."""
 from __future__ import annotations
 
 import ast
@@ -17,6 +18,17 @@ _GENERATE = re.compile(r"\.generate\s*\(")
 
 
 @dataclass(frozen=True)
+class TrainerSettings:
+    """A transformers `Trainer` that ran the failing step, and what decides its memory: the batch it was
+    made with (it reads its batch size when made), its accumulation, mixed precision, checkpointing."""
+
+    batch: int | None = None              # the per-device train batch the Trainer runs
+    accumulation: int = 1                 # gradient_accumulation_steps
+    mixed: bool = False                   # bf16 or fp16
+    checkpointing: bool = False           # gradient_checkpointing
+
+
+@dataclass(frozen=True)
 class CellReading:
     """What the source of the failing cell (and the functions it names) says it does already."""
 
@@ -27,6 +39,7 @@ class CellReading:
     backward: bool = False                # a backward pass (loss.backward(), autograd.grad)
     steps: bool = False                   # an optimizer step
     generates: bool = False               # model.generate(...)
+    trainer: TrainerSettings | None = None   # a transformers Trainer on the failing stack
 
     @property
     def evaluates(self) -> bool:

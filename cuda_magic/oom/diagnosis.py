@@ -5,11 +5,10 @@ without a GPU. `explain(exc_or_text)` is the public entry point (`cuda_magic.oom
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.allocator_conf import conf_value, expandable_segments_line, expandable_segments_on
 from cuda_magic.memory.holders import Holder, union_bytes
+from cuda_magic.oom.advice import HOLDER_SHARE, SHOWN, advise, expected, leaking, variable, with_graph  # noqa: F401
 from cuda_magic.oom.cell_reading import CellReading
 from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
 from cuda_magic.oom.findings import Advice, Diagnosis, OomFields
@@ -29,12 +28,10 @@ CAUSE_LABELS = {
 _ORDER = tuple(CAUSE_LABELS)          # breaks ties between causes that explain as many bytes
 
 _SHARE = 0.10                         # a part above this share of the device is significant
-_HOLDER_SHARE = 0.05
 _MINOR_SHARE = 0.02                   # below this share, "other processes" is driver rounding and noise
 _FRAGMENT_FLOOR = 2 * 1024**2         # small blocks live in 2 MiB segments: cached bytes below are noise
 _CONTEXT_ALLOWANCE = 1024**3          # old messages lump the CUDA context in with other processes
 _TIGHT = 0.90                         # a working set above this share of what is left cannot grow
-_GPU_BACKENDS = ("cuda", "hip", "cublas", "cudnn", "xpu")
 
 
 @dataclass(frozen=True)
@@ -98,6 +95,14 @@ class Context:
     retried = property(lambda self: self.facts.retried)
     top_line = property(lambda self: self.facts.top_line)
     batch = property(lambda self: self.facts.batch_var or "BATCH")
+
+    @property
+    def evaluating(self) -> bool:
+        """The failing code only evaluates: a forward pass recording graphs, no backward pass and no
+        step in its source or on its stack (a message alone, with no source, says nothing of it)."""
+        cell = self.facts.cell
+        return "graphs_in_evaluation" in self.found or (
+            bool(cell.names) and cell.evaluates and not self.facts.backward and not cell.generates)
     accum = property(lambda self: self.facts.accum_var or "ACCUM")
 
 
@@ -126,7 +131,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
 
     found: dict[str, int] = {}
     held_at_start = facts.held_at_start
-    if limited and held_at_start and capacity and held_at_start >= capacity:
+    if limit is not None and held_at_start and held_at_start >= limit:
         found["cap_below_held"] = held_at_start
     elif request is not None and capacity and request > capacity:
         found["request_exceeds_capacity"] = request
@@ -158,7 +163,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
 
     if held_total and not plenty_free and (
             request is None or (shortfall and held_total >= shortfall)
-            or (capacity and held_total > _HOLDER_SHARE * capacity)):
+            or (capacity and held_total > HOLDER_SHARE * capacity)):
         found["names_holding"] = held_total
 
     # MPS counts its cached heaps in "other allocations": the process total is what hits the limit.
@@ -176,7 +181,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
             found["too_large"] = max(0, (working or 0) - kept) + request
 
     causes = sorted(found, key=lambda c: (-found[c], _ORDER.index(c)))
-    leak = "names_holding" in found and any(_leaking(h, shortfall, capacity) for h in held)
+    leak = "names_holding" in found and any(leaking(h, shortfall, capacity) for h in held)
     if leak:                      # the classic leak (graphs kept by logged losses) comes first
         causes.remove("names_holding")
         causes.insert(0, "names_holding")
@@ -193,16 +198,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
             causes.insert(0, first)
     causes = causes or ["unknown"]
     ctx = Context(fields, facts, capacity, limited, tuple(held), found, estimated, tuple(causes))
-    return Diagnosis(causes=causes, summary=_summary(ctx), advice=_advice(ctx), holders=held)
-
-
-def _leaking(h: Holder, shortfall: int | None, capacity: int | None) -> bool:
-    """A name that keeps an autograd graph, large enough to matter (the classic leak). What it shares
-    counts: logged losses and collected outputs keep the same graphs, and either list alone keeps them."""
-    if not (h.kind == "graph" or _with_graph(h.description)):
-        return False
-    reached = h.bytes + h.shared
-    return bool((shortfall and reached >= shortfall) or (capacity and reached > _HOLDER_SHARE * capacity))
+    return Diagnosis(causes=causes, summary=_summary(ctx), advice=advise(ctx), holders=held)
 
 
 def _as_holder(h) -> Holder:
@@ -210,17 +206,7 @@ def _as_holder(h) -> Holder:
         return h
     name, nbytes = h
     name = str(name)
-    return Holder(name, int(nbytes or 0), kind="graph" if _with_graph(name) else "tensor")
-
-
-def _expected(h: Holder, facts: CellFacts) -> bool:
-    """Memory the cell needs, not a surprise: a model being trained and its optimizer, a model or
-    optimizer the failing cell uses, and anything else it uses that did not grow while it ran (its input,
-    a batch dict: the cell makes them again). What the cell appends to as it runs is the classic leak."""
-    if h.kind in ("model", "optimizer"):
-        return h.training or h.name in facts.in_use
-    grew = facts.grown is not None and h.name in facts.grown
-    return h.name in facts.in_use and not grew and not (facts.grown is None and h.kind == "graph")
+    return Holder(name, int(nbytes or 0), kind="graph" if with_graph(name) else "tensor")
 
 
 def _listed(holders, shortfall: int | None, facts: CellFacts) -> list[Holder]:
@@ -231,7 +217,7 @@ def _listed(holders, shortfall: int | None, facts: CellFacts) -> list[Holder]:
         if h.bytes <= 0 and not (h.kind == "graph" and h.shared > 0):
             continue   # nothing of its own: unless it keeps graphs that other names keep too (logged losses
                        # and collected outputs of the same steps), which go only when all of them go
-        if _expected(h, facts):
+        if expected(h, facts):
             in_use_model = h.kind in ("model", "optimizer") and h.name in facts.in_use
             if in_use_model or not (shortfall and h.bytes >= shortfall):
                 continue
@@ -293,7 +279,7 @@ def _phrase(cause: str, ctx: Context) -> str:
     f: OomFields = ctx.fields
     cap, found = ctx.capacity, ctx.found
     if cause == "cap_below_held":
-        return (f"the cap of {format_bytes(cap)} is below what the notebook already held when the cell started "
+        return (f"the cap of {format_bytes(ctx.facts.limit)} is below what the notebook already held when the cell started "
                 f"({format_bytes(found[cause])}), so the cell could allocate nothing new")
     if cause == "graphs_in_evaluation":
         total = sum(ctx.facts.by_kind.values())
@@ -326,7 +312,8 @@ def _phrase(cause: str, ctx: Context) -> str:
     if cause == "free_reported":
         return _free_phrase(f)
     if cause == "names_holding":
-        top = ", ".join(f"{h.description} ({format_bytes(h.bytes)})" for h in ctx.held[:3])
+        # the name alone where it is one: what it is comes with the names listed below the summary
+        top = ", ".join(f"{variable(h.name) or h.description} ({format_bytes(h.bytes)})" for h in ctx.held[:3])
         more = f" and {len(ctx.held) - 3} more" if len(ctx.held) > 3 else ""
         names = "names" if ctx.api else "notebook names"
         return f"{names} keep {format_bytes(found[cause])} alive: {top}{more}"
@@ -351,257 +338,6 @@ def _free_phrase(f: OomFields) -> str:
     return (f"the device reported {format_bytes(f.free)} free, more than requested: likely a per-process "
             "memory fraction (torch.cuda.set_per_process_memory_fraction), or another process allocating "
             "at the same moment")
-
-
-# -- advice ---------------------------------------------------------------------------------------
-
-_PLAN = {
-    "cap_below_held": ("raise_cap", "delete", "freecuda"),
-    "graphs_in_evaluation": ("no_grad", "batch", "amp"),
-    "request_exceeds_capacity": ("split", "batch", "amp", "checkpoint"),
-    "too_large": ("batch", "amp", "accumulate", "checkpoint", "freecuda"),
-    "fragmentation": ("expandable", "freecuda", "batch"),
-    "other_processes": ("processes",),
-    "names_holding": ("detach", "cpu_metrics", "delete"),
-    "free_reported": ("processes", "freecuda"),
-    "unknown": ("contiguous", "freecuda", "batch", "amp"),
-}
-_TAIL = ("batch", "amp", "accumulate")
-# Without an autograd graph (no_grad, inference_mode, generate) training advice does not apply.
-_INFERENCE = {"batch": ("sequences", "generation", "kv_cache"), "accumulate": (), "checkpoint": ()}
-SHOWN = 5                             # the display shows this many: advice that must be seen goes above
-
-
-def _advice(ctx: Context) -> list[Advice]:
-    causes = ctx.causes
-    if causes[0] == "request_exceeds_capacity":
-        causes = causes[:1]        # no clean-up can make one allocation larger than the device fit
-    advice, done = [], set()
-    keys = [k for c in causes for k in _PLAN[c]] + list(_TAIL)
-    if ctx.inference:
-        keys = [k2 for k in keys for k2 in _INFERENCE.get(k, (k,))]
-    items = {}
-    for key in keys:
-        if key not in items:
-            items[key] = _ADVICE[key](ctx)
-    # each cause named gets its first remedy among those shown (expandable_segments whenever
-    # fragmentation is named, %gpumem --processes for memory outside PyTorch), then the rest in order
-    firsts = []
-    for c in causes:
-        plan = [k2 for k in _PLAN[c] for k2 in (_INFERENCE.get(k, (k,)) if ctx.inference else (k,))]
-        first = next((k for k in plan if items.get(k) is not None), None)
-        if first is not None and first not in firsts:
-            firsts.append(first)
-    for key in firsts[:SHOWN] + [k for k in items if k not in firsts]:
-        if key in done or items[key] is None:
-            continue
-        done.add(key)
-        advice.append(items[key])
-    return advice
-
-
-def _variable(name: str) -> str | None:
-    """The notebook variable a holder description starts with ('losses (list of ...)' -> 'losses')."""
-    m = re.match(r"[A-Za-z_]\w*", name)
-    if m is None or m.group(0).startswith("_") or m.group(0) in ("Out", "In"):
-        return None
-    return m.group(0)
-
-
-def _with_graph(name: str) -> bool:
-    return "grad_fn" in name or "graph" in name.lower()
-
-
-def _container(name: str) -> str | None:
-    m = re.search(r"\b(list|dict|tuple|deque|set) of\b", name)
-    return m.group(1) if m else None
-
-
-def _batch(ctx):
-    if ctx.retried or ctx.facts.independent:
-        return None                   # a smaller batch already fitted, or the memory does not follow it
-    if ctx.api:
-        line = f"@oomguard(retry=\"{ctx.batch}\", accumulate=\"{ctx.accum}\")"
-        return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx.batch} "
-                      f"until it fits and raises {ctx.accum} so that the effective batch stays the same.", line)
-    line = f"%%oomguard -r {ctx.batch} -a {ctx.accum}"
-    return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx.batch} until it fits and raises "
-                  f"{ctx.accum} so that the effective batch stays the same.", line)
-
-
-def _amp(ctx):
-    if ctx.amp or ctx.facts.cell.autocasts:
-        return None                   # the cell already runs in mixed precision
-    f = ctx.fields
-    device_type = {"cpu": "cpu", "simulated": "cpu", "mps": "mps", "xpu": "xpu"}.get(f.backend, "cuda")
-    return Advice("Run in mixed precision: activations take half the memory, but autocast also keeps a "
-                  "half-precision copy of the weights it casts, so a small model with few activations can "
-                  "peak higher under it. In plain code: "
-                  f"`with torch.autocast('{device_type}', dtype=torch.bfloat16):` around the forward pass "
-                  "and the loss.", "oomguard(amp=\"bf16\")" if ctx.api else "%%oomguard --amp bf16")
-
-
-def _sequences(ctx):
-    if ctx.retried or ctx.facts.independent:
-        return None
-    line = f"@oomguard(retry=\"{ctx.batch}\")" if ctx.api else f"%%oomguard -r {ctx.batch}"
-    return Advice(f"Run fewer sequences per batch: without a graph, memory grows with the sequences in "
-                  f"flight and their length (`{line}` finds a number that fits).", line)
-
-
-def _generation(ctx):
-    return Advice("Generate fewer new tokens, or cut long prompts: every generated token adds to the "
-                  "attention and the cache.", "model.generate(**inputs, max_new_tokens=128)")
-
-
-def _kv_cache(ctx):
-    return Advice("Shrink the KV cache: it grows with batch x sequence length x layers; a static or "
-                  "quantized cache, or a shorter maximum length, bounds it.",
-                  "model.generate(**inputs, cache_implementation='static')")
-
-
-def _accumulate(ctx):
-    if ctx.facts.independent:
-        return None
-    return Advice(f"Keep the effective batch with gradient accumulation: run {ctx.accum} smaller "
-                  f"batches, scale each loss by 1/{ctx.accum}, and step the optimizer once after "
-                  "them.", f"(loss / {ctx.accum}).backward()")
-
-
-def _checkpoint(ctx):
-    if ctx.facts.cell.checkpoints:
-        return None                   # the cell already checkpoints
-    return Advice("Trade compute for memory with gradient checkpointing: activations of a block are "
-                  "recomputed in the backward pass instead of kept.",
-                  "y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)")
-
-
-def _split(ctx):
-    return Advice("Process the input in pieces: one operation alone needs more than the device has "
-                  "(a smaller batch or sequence length, or a loop over chunks).",
-                  "out = torch.cat([f(chunk) for chunk in x.split(CHUNK)])")
-
-
-def _expandable(ctx):
-    f, conf = ctx.fields, ctx.alloc_conf or ""
-    if f.backend not in ("cuda", "hip", "cublas") or expandable_segments_on(conf):
-        return None
-    if (conf_value(conf, "backend") or "native").lower() != "native":
-        return None
-    for_you = "" if ctx.api else " (%%oomguard can do it for you)"
-    return Advice("Switch on expandable_segments so that PyTorch's cache can grow segments instead of "
-                  f"leaving unusable pieces; this line keeps your other allocator settings{for_you}.",
-                  expandable_segments_line(conf))
-
-
-def _freecuda(ctx):
-    if ctx.api:
-        return Advice("Give back what the failed run and the cache hold.", "cuda_magic.release()")
-    return Advice("Give back what the failed run and the cache hold (the kernel keeps running).",
-                  "%freecuda")
-
-
-def _processes(ctx):
-    if ctx.fields.backend not in _GPU_BACKENDS:
-        return None
-    return Advice("See which processes use the GPU and close those you do not need (another notebook's "
-                  "kernel, a finished training run, a data-loader still holding the device).",
-                  "nvidia-smi" if ctx.api else "%gpumem --processes")
-
-
-def _holders_where(ctx, test):
-    return [(h.description, v) for h in ctx.held if test(h) and (v := _variable(h.name))]
-
-
-def _detach(ctx):
-    need = ctx.fields.requested if ctx.fields.free is None or ctx.fields.requested is None else max(
-        0, ctx.fields.requested - ctx.fields.free)
-    graphs = [h for h in ctx.held if _leaking(h, need, ctx.capacity) and _variable(h.name)]
-    if not graphs:
-        return None
-    # logged losses (scalars) are the classic case: name them before collected outputs
-    holder = sorted(graphs, key=lambda h: " scalar " not in h.what)[0]
-    name, var = holder.description, _variable(holder.name)
-    if _container(name):
-        if holder.what and " scalar " not in holder.what and _container(name) == "list":
-            code = f"{var}.append(out.detach())  # not {var}.append(out)"
-        else:
-            code = (f"{var}.append(loss.item())  # not {var}.append(loss)" if _container(name) == "list"
-                    else "loss.item()  # keep this float, not the tensor")
-        return Advice(f"`{var}` keeps the autograd graph of every step alive ({name}): log numbers with "
-                      "`.item()`, or tensors with `.detach()`.", code)
-    return Advice(f"`{var}` is a tensor with grad_fn: it keeps its autograd graph (and what the graph saved) "
-                  f"alive; keep a number with `.item()`, or a tensor with `.detach()`.",
-                  f"{var} = {var}.detach()  # or {var}.item() for a number")
-
-
-def _cpu_metrics(ctx):
-    grown = ctx.facts.grown       # collected outputs grow as the cell runs; a batch dict does not
-    kept = _holders_where(ctx, lambda h: _container(h.description) is not None
-                          and (grown is None or h.name in grown))
-    if not kept:
-        return None
-    # a container of graphs is the `.detach()` advice's; prefer one that only holds outputs
-    name, var = next(((n, v) for n, v in kept if not _with_graph(n)), kept[0])
-    code = (f"{var}.append(out.detach().cpu())" if _container(name) == "list" else "out.detach().cpu()")
-    return Advice(f"Keep collected outputs and metrics on the CPU: `{var}` ({name}) holds them on the "
-                  "device.", code)
-
-
-def _delete(ctx):
-    if "request_exceeds_capacity" in ctx.causes:
-        return None                   # no clean-up makes one allocation larger than the device fit
-    names = list(dict.fromkeys(v for _, v in _holders_where(
-        ctx, lambda h: not _expected(h, ctx.facts) and h.name not in ctx.facts.in_use)))
-    if not names:
-        return None
-    joined = " ".join(names)
-    verb = "holds" if len(names) == 1 else "hold"
-    if ctx.api:
-        return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: delete them, then release the "
-                      "cache.", f"del {', '.join(names)}; cuda_magic.release()")
-    return Advice(f"Free what {', '.join(f'`{n}`' for n in names)} {verb}: `del {', '.join(names)}` and "
-                  f"then `%freecuda`, or in one step (`--offload` moves them to the CPU instead).",
-                  f"%freecuda {joined}")
-
-
-def _raise_cap(ctx):
-    held = ctx.found.get("cap_below_held") or 0
-    needed = held + (ctx.fields.requested or 0)
-    size = _round_up(needed * 5 // 4)
-    line = f'oomguard(limit="{size}")' if ctx.api else f"%%oomguard -l {size}"
-    return Advice(f"Set the cap above what is already held: {format_bytes(held)} was allocated before the cell "
-                  "started, and the cap counts it (on a GPU the memory fraction caps all that PyTorch reserves); "
-                  "or free what the notebook holds first.", line)
-
-
-def _round_up(nbytes: int) -> str:
-    """A size to type, at least `nbytes`: whole MiB below 1 GiB, else GiB to a tenth."""
-    if nbytes < 1024**3:
-        return f"{-(-nbytes // 1024**2)}MiB"
-    return f"{-(-nbytes * 10 // 1024**3) / 10:g}GiB"
-
-
-def _no_grad(ctx):
-    return Advice("Evaluate without autograd: under `torch.no_grad()` (or `torch.inference_mode()`) the forward "
-                  "pass keeps no activations for a backward pass that never comes.",
-                  "with torch.no_grad():\n    out = model(x)")
-
-
-def _contiguous(ctx):
-    if ctx.fields.backend != "cudnn":
-        return None
-    return Advice("If it still fails at a small batch it is not memory: cuDNN does not support the input. "
-                  "Make it contiguous, or switch cuDNN off for that call.", "x = x.contiguous()")
-
-
-_ADVICE = {
-    "batch": _batch, "amp": _amp, "accumulate": _accumulate, "checkpoint": _checkpoint, "split": _split,
-    "expandable": _expandable, "freecuda": _freecuda, "processes": _processes, "detach": _detach,
-    "cpu_metrics": _cpu_metrics, "delete": _delete, "contiguous": _contiguous,
-    "sequences": _sequences, "generation": _generation, "kv_cache": _kv_cache, "raise_cap": _raise_cap,
-    "no_grad": _no_grad,
-}
 
 
 # -- entry point ----------------------------------------------------------------------------------

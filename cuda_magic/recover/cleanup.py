@@ -17,8 +17,9 @@ from cuda_magic.ipython import shell_or_current, user_variables
 from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
-from cuda_magic.memory.holders import name_holders
-from cuda_magic.memory.reach import device_storages, skipped, storage_key_and_bytes
+from cuda_magic.memory.holders import name_holders, union_bytes
+from cuda_magic.memory.reach import device_storages, storage_key_and_bytes
+from cuda_magic.units import format_bytes
 from cuda_magic.recover.report import ReleaseReport
 
 
@@ -107,19 +108,51 @@ def held_storages(value) -> dict[int, int]:
 
 
 def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
-    """(variable, bytes) for user variables holding device memory, largest first."""
-    held = []
-    for name, value in user_variables(shell).items():
-        if name in exclude or skipped(value):
-            continue
-        try:
-            nbytes = sum(held_storages(value).values())
-        except Exception:  # noqa: BLE001 - a hostile object (a raising __getattr__): it holds nothing we see
-            continue
-        if nbytes > 0:
-            held.append((name, nbytes))
-    held.sort(key=lambda item: (-item[1], item[0]))
+    """(variable, bytes that deleting it alone gives back) for the user variables that reach device memory,
+    the largest first; a variable that only shares what it reaches with others gives back 0."""
+    return [(h.name, h.bytes) for h in _holders(shell, exclude)]
+
+
+def _holders(shell, exclude=()) -> list:
+    variables = {k: v for k, v in user_variables(shell).items() if k not in exclude}
+    held = name_holders(variables, storages_of=held_storages)
+    held.sort(key=lambda h: (-h.bytes, -h.shared, h.name))
     return held
+
+
+def held_rows(holders) -> list[tuple[str, int]]:
+    """What still holds device memory, in rows whose sizes add up to the union: each name with what deleting
+    it alone gives back, and each group of names that reach the same memory ("model, opt": the parameters)
+    with what only deleting all of them gives back. Largest first."""
+    rows = [(h.name, h.bytes) for h in holders if h.bytes > 0]
+    for group in sharing_groups(holders):
+        members = [h for h in holders if h.name in group]
+        together = union_bytes(members) - sum(h.bytes for h in members)
+        if together > 0:
+            rows.append((", ".join(sorted(group)), together))
+    rows.sort(key=lambda row: (-row[1], row[0]))
+    return rows
+
+
+def sharing_groups(holders) -> list[set[str]]:
+    """The names that reach the same device memory, grouped (what one shares with another, transitively)."""
+    groups: list[set[str]] = []
+    for h in holders:
+        if not h.shared_with:
+            continue
+        linked = {h.name, *h.shared_with}
+        touching = [g for g in groups if g & linked]
+        for g in touching:
+            linked |= g
+            groups.remove(g)
+        groups.append(linked)
+    return groups
+
+
+def sharing_notes(holders) -> list[str]:
+    """One line per group of names that share device memory: deleting one of them alone gives none of it back."""
+    return [f"{', '.join(sorted(g))} share memory: deleting one of them alone gives none of what they share back"
+            for g in sharing_groups(holders)]
 
 
 def shared_holders(shell) -> list:
@@ -131,7 +164,7 @@ def shared_holders(shell) -> list:
 
 def all_device_variables(shell) -> list[str]:
     """The user variables `%freecuda --all` deletes: those holding device tensors, largest first."""
-    return [name for name, _ in device_holders(shell_or_current(shell))]
+    return [h.name for h in _holders(shell_or_current(shell))]
 
 
 # -------------------------------------------------------------------------------------- release
@@ -149,7 +182,9 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
     if dry_run:
         report.dropped += drop_exception_refs(shell, dry_run=True)
         report.dropped += drop_output_cache(shell, dry_run=True) if shell is not None else []
-        report.still_held = device_holders(shell, exclude=exclude)
+        held = _holders(shell, exclude)
+        report.still_held = held_rows(held)
+        report.notes += sharing_notes(held)
         report.notes.append("dry run: nothing was changed")
         return report
 
@@ -170,7 +205,9 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
         report.notes.append("no GPU: the simulated device stands in for one (the tensors it counts are listed)"
                             if active_device() is not None else
                             "no GPU: the CPU is the device (CPU tensors are counted)")
-    report.still_held = device_holders(shell)
+    held = _holders(shell)
+    report.still_held = held_rows(held)
+    report.notes += sharing_notes(held)
     return report
 
 
@@ -204,6 +241,7 @@ def free_variables(shell, names, *, offload: bool = False, dry_run: bool = False
             moved = move([shell.user_ns[name] for name in names])
             for name, value in zip(names, moved):
                 shell.user_ns[name] = value
+            report.notes.extend(_optimizers_left_behind(shell, names))
             return
         for name in names:
             value = shell.user_ns.pop(name)
@@ -223,3 +261,31 @@ def free_all_variables(shell, *, offload: bool = False, dry_run: bool = False) -
     report = release(shell, dry_run=dry_run)
     report.notes.append("--all: no user variable holds device tensors")
     return report
+
+
+def _optimizers_left_behind(shell, names) -> list[str]:
+    """A note for each optimizer not named whose parameters were moved while its state stays on the device
+    (it would step a model on the CPU with state on the GPU): offload it with them."""
+    torch = loaded_torch()
+    if torch is None:
+        return []
+    moved = {id(p) for n in names for p in _parameters_of(shell.user_ns.get(n), torch)}
+    notes = []
+    for name, value in user_variables(shell).items():
+        if name in names or not issubclass(type(value), torch.optim.Optimizer):
+            continue
+        params = [p for g in value.param_groups for p in g["params"]]
+        held = sum(held_storages(list(value.state.values())).values())
+        if held and any(id(p) in moved for p in params):
+            notes.append(f"{name}'s state stays on the device ({format_bytes(held)}) "
+                         f"while the parameters it steps moved: `%freecuda {' '.join(names)} {name} --offload` "
+                         "moves it with them")
+    return notes
+
+
+def _parameters_of(value, torch) -> list:
+    if issubclass(type(value), torch.nn.Module):
+        return list(value.parameters())
+    if issubclass(type(value), torch.Tensor):
+        return [value]
+    return []

@@ -20,7 +20,7 @@ from cuda_magic.devices.meter import capacity_of
 from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
 from cuda_magic.memory.kinds import IN_FAILING_OP
 from cuda_magic.oom.findings import OomFields
-from cuda_magic.paths import is_library_file
+from cuda_magic.paths import is_library_file, is_torch_or_python_file
 from cuda_magic.recover.cleanup import empty_caches
 from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
 from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
@@ -41,6 +41,9 @@ class Failure:
                                    # model's input, so the retry takes it and drops it once measured
     in_frames: frozenset = frozenset()   # ids of the modules and optimizers the failing frames held
     source: str = ""               # the user's code the failing frames ran (the cell, its functions)
+    trains: bool = False           # a library function on the failing stack (a Trainer's training step,
+                                   # Lightning's closure) runs a backward pass or an optimizer step
+    trainer: object = None         # a transformers Trainer's settings (oom.cell_reading.TrainerSettings)
     holders: tuple | None = None   # the names that held memory then (memory.holders.Holder), before undoing
     in_use: frozenset = frozenset()      # the namespace's names the failing cell used
     grown: frozenset = frozenset()       # the namespace's containers that grew during the run
@@ -71,14 +74,26 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailurePoint | None:
-    """Where a run failed: the deepest line of the cell itself, and the function it was in, if deeper."""
+TIMED = "<timed exec>"                # what IPython's %%time compiles its cell's body as
+
+
+def failure_point(tb, filename: str | None, lines: list[str] | None,
+                  timed: tuple | None = None) -> FailurePoint | None:
+    """Where a run failed: the deepest line of the cell itself, and the function it was in, if deeper.
+    `timed`: a cell that starts with `%%time`, whose lines after it run as "<timed exec>": its line k is
+    the cell's line k + 1."""
     cell_line = None
     deepest = None
+    if timed is not None:
+        lines = ["%%time", *timed]
     while tb is not None:
         code = tb.tb_frame.f_code
         if filename is not None and code.co_filename == filename:
             cell_line = tb.tb_lineno
+        elif timed is not None and code.co_filename == TIMED:
+            cell_line = tb.tb_lineno + 1
+            tb = tb.tb_next
+            continue
         if not is_library_file(code.co_filename):
             deepest = (code.co_name, code.co_filename, tb.tb_lineno)
         tb = tb.tb_next
@@ -98,7 +113,7 @@ def failure_point(tb, filename: str | None, lines: list[str] | None) -> FailureP
 
 
 def read_failure(exc: BaseException, meter, *, filename: str | None = None,
-                 lines: list[str] | None = None, progress: bool = False) -> Failure:
+                 lines: list[str] | None = None, progress: bool = False, timed: tuple | None = None) -> Failure:
     """Step 1, inside the `except` block: plain values only (the failed run's tensors are still alive: what
     they are, by kind, is counted now). `progress`: also how far through the model's forward pass it came
     (for a retry's prediction)."""
@@ -115,28 +130,36 @@ def read_failure(exc: BaseException, meter, *, filename: str | None = None,
     if meter.key != "cpu" and told is not None and now is not None and told > now:
         by_kind[IN_FAILING_OP] = told - now
         allocated = told
-    in_frames, source = frames_facts(exc.__traceback__, lines)
-    point = failure_point(exc.__traceback__, filename, lines)
+    in_frames, source, trains, trainer = frames_facts(exc.__traceback__, lines)
+    point = failure_point(exc.__traceback__, filename, lines, timed)
     if replay is not None and point is not None and hasattr(replay, "keep_output"):
         from cuda_magic.recover.replay import output_kept
 
         replay.keep_output = output_kept(point.text)
     return Failure(oom=fields, point=point, allocated=allocated,
                    reserved=read_counter(meter.reserved), by_kind=by_kind, progress=where, replay=replay,
-                   in_frames=in_frames, source=source)
+                   in_frames=in_frames, source=source, trains=trains, trainer=trainer)
 
 
-def frames_facts(tb, lines: list[str] | None) -> tuple[frozenset, str]:
+def frames_facts(tb, lines: list[str] | None) -> tuple[frozenset, str, bool, object]:
     """(ids of the modules and optimizers the failing frames hold, the source of the user's code they
-    ran: the cell's lines and the functions of the user's own files), read while the frames are alive."""
+    ran: the cell's lines and the functions of the user's own files, whether a library function on the
+    stack trains, the settings of a transformers Trainer running it (recover.trainers), or None), read
+    while the frames are alive. A cell of `trainer.train()` shows no backward pass
+    in its own source; the Trainer's training step on the stack does (torch's own functions are left
+    out: its module call and hooks name backward without running one)."""
     import inspect
     import linecache
+
+    from cuda_magic.oom.cell_reading import read_cell
+    from cuda_magic.recover.trainers import trainer_settings
 
     torch = sys.modules.get("torch")
     held_types = (torch.nn.Module, torch.optim.Optimizer) if torch is not None else ()
     ids: set[int] = set()
     sources: list[str] = ["\n".join(lines)] if lines else []
     seen_code = set()
+    trains, trainer = False, None
     while tb is not None:
         frame = tb.tb_frame
         code = frame.f_code
@@ -152,8 +175,18 @@ def frames_facts(tb, lines: list[str] | None) -> tuple[frozenset, str]:
             except (OSError, TypeError):
                 text = ""
             sources.append(text)
+        elif not is_torch_or_python_file(code.co_filename):
+            if trainer is None and "self" in code.co_varnames[:1]:
+                trainer = trainer_settings(frame.f_locals.get("self"))
+            if code not in seen_code and not trains:
+                seen_code.add(code)
+                try:
+                    reading = read_cell(inspect.getsource(code))
+                except (OSError, TypeError, SyntaxError, IndentationError):
+                    reading = None
+                trains = reading is not None and (reading.backward or reading.steps)
         tb = tb.tb_next
-    return frozenset(ids), "\n".join(sources)
+    return frozenset(ids), "\n".join(sources), trains or trainer is not None, trainer
 
 
 def kinds_at_failure(meter, allocated: int | None) -> dict[str, int]:

@@ -49,6 +49,8 @@ class GuardOptions:
     api: bool = False                    # the Python API: advice speaks of it, not of magics or a kernel
     filename: str | None = None          # the compiled cell, to say which of its lines failed
     lines: tuple[str, ...] | None = None
+    timed_lines: tuple[str, ...] | None = None   # a cell that starts with `%%time`: its lines after it,
+                                                 # which IPython runs as "<timed exec>"
     shown_by_ipython: bool = False       # `%oomguard on`: IPython shows the error, so its traceback and
                                          # chain are kept (their frames cleared) and IPython's references
                                          # to it (`sys.last_*`, its stored traceback) dropped
@@ -258,7 +260,7 @@ class GuardedRun:
         if filename is None and options.shown_by_ipython:
             filename = cell_filename_of(exc.__traceback__)
         failure = read_failure(exc, self.meter, filename=filename, lines=options.lines,
-                               progress=options.retry is not None)
+                               progress=options.retry is not None, timed=options.timed_lines)
         return Attempt(value, Outcome.OOM, peak, failure.oom.requested, duration, start), failure
 
     def _release(self, exc, failure: Failure, attempt: Attempt, *, undo=None) -> None:
@@ -299,8 +301,10 @@ class GuardedRun:
         return attempt
 
     def note(self, text: str) -> None:
-        """A warning for the report, shown as it comes up too."""
+        """A warning for the report, shown as it comes up too (then the report does not say it again)."""
         self.report.warnings.append(text)
+        if self.on_note is not _ignore:
+            self.report.said.append(text)
         self.on_note(text)
 
     def _peak(self) -> int | None:
@@ -360,13 +364,13 @@ class GuardedRun:
         failed = any(a.outcome == Outcome.OOM for a in report.attempts)
         lines = list(self.options.lines) if self.options.lines is not None else None
         report.blackbox = blackbox_from(recorder, device=meter.key, capacity=limit or capacity_of(meter),
-                                        limited=limit is not None, lines=lines, failed=failed)
+                                        limited=limit is not None, lines=lines, failed=failed,
+                                        timed=self.options.timed_lines)
 
     def _diagnose(self):
         """The last failure's diagnosis, from what was true at that failure: its names, its frames, its
         black box (never what a later attempt or the retry's measuring left)."""
         from cuda_magic.devices.allocator_conf import current_allocator_conf
-        from cuda_magic.oom.cell_reading import read_cell
         from cuda_magic.oom.diagnosis import CellFacts, diagnose
         from cuda_magic.recover.cleanup import shared_holders
 
@@ -384,7 +388,7 @@ class GuardedRun:
             inference=failed is not None and failed.grad_enabled is False,
             retried=report.outcome == Outcome.RECOVERED,
             top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None,
-            cell=read_cell(failure.source if failure is not None else ""),
+            cell=_cell_reading(failure),
             in_use=failure.in_use if failure is not None else frozenset(),
             grown=failure.grown if failure is not None else frozenset(),
             by_kind=dict(failure.by_kind or {}) if failure is not None else {},
@@ -428,3 +432,18 @@ def run_sync(coroutine):
         return stop.value
     coroutine.close()
     raise RuntimeError("the guarded call awaited something; run it with `await run.run_async(...)`")
+
+
+def _cell_reading(failure):
+    """What the failing code does already: its own source, and a training step of a library on its
+    stack (a `trainer.train()` cell trains though its source shows no backward pass)."""
+    import dataclasses
+
+    from cuda_magic.oom.cell_reading import read_cell
+
+    if failure is None:
+        return read_cell("")
+    reading = read_cell(failure.source)
+    if failure.trains or failure.trainer is not None:
+        reading = dataclasses.replace(reading, backward=reading.backward or failure.trains, trainer=failure.trainer)
+    return reading

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cuda_magic.devices.probe import loaded_torch
-
 MAX_LEAVES = 10_000        # a model with more leaf modules is not walked (its share is not needed that fine)
 
 

@@ -15,6 +15,7 @@ from cuda_magic.memory.blackbox import BlackBox
 from cuda_magic.oom.findings import Diagnosis, OomFields
 
 HOLDERS_SHOWN = 6          # names kept alive, listed by name; the rest counted
+HOLDER_SHARE_SHOWN = 0.02  # ... where they hold this share of the device, or enough to make the request fit
 ATTEMPT_ROWS_SHOWN = 12    # attempts listed; beyond, the first and last half with a gap between
 
 
@@ -98,6 +99,7 @@ class GuardReport(Rendered):
     outcome: Outcome = Outcome.OK
     limit: int | None = None              # -l cap in bytes
     warnings: list[str] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)        # of the warnings, those shown as they came up
     not_undone: list[str] = field(default_factory=list)  # effects of failed attempts a rollback could not undo
     exception_text: str = ""              # a non-OOM error's "Type: message", when one stopped the run
     source: str = "%%oomguard"            # what guarded the run: '%%oomguard', '%oomguard on', 'oomguard'
@@ -185,13 +187,29 @@ class GuardReport(Rendered):
 
     @property
     def holders_shown(self) -> list[tuple[str, int]]:
+        """The names kept alive worth a line: those holding a share of the device, or enough to make the
+        failed request fit (the rest are in diagnosis.holders and %gpumem; the line counts them)."""
         holders = self.diagnosis.holders if self.diagnosis is not None else []
-        return list(holders[:HOLDERS_SHOWN])
+        oom = self.oom
+        capacity = oom.capacity if oom is not None else None
+        short = (max(0, oom.requested - oom.free) if oom is not None and oom.requested is not None
+                 and oom.free is not None else None)
+
+        def worth(h) -> bool:
+            size = h.bytes + getattr(h, "shared", 0)
+            return not capacity or size >= HOLDER_SHARE_SHOWN * capacity or bool(short and h.bytes >= short)
+
+        return [h for h in holders if worth(h)][:HOLDERS_SHOWN]
 
     @property
     def holders_hidden(self) -> int:
         holders = self.diagnosis.holders if self.diagnosis is not None else []
-        return max(0, len(holders) - HOLDERS_SHOWN)
+        return max(0, len(holders) - len(self.holders_shown))
+
+    @property
+    def warnings_shown(self) -> list[str]:
+        """The warnings the report itself says: those not already shown as they came up."""
+        return [w for w in self.warnings if w not in self.said]
 
     @property
     def probe_time(self) -> float:

@@ -456,7 +456,8 @@ class BatchSearch:
             elif top.own_peak > 0:
                 # counting the cell's fixed part as per-unit memory: this falls short, never over
                 slope = top.own_peak / top.value
-                how = f"predicted from the peak at {top.value} ({format_bytes(top.own_peak)})"
+                how = (f"predicted from the peak at {top.value} ({format_bytes(top.own_peak)} above what was "
+                       "allocated when it started)")
             if slope:
                 predicted = top.value + (available - top.own_peak) / slope
         if best >= self.goal * bound:
