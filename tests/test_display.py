@@ -566,3 +566,13 @@ def test_names_too_small_to_matter_are_counted_not_listed():
     assert "and 1 smaller" in T.guard_text(report) and "and 1 smaller" in H.guard_html(report)
     report.oom.free = 1 * GiB - 4 * MiB          # 4 MiB short: the 5 MiB name alone would make it fit
     assert "tiny" in [h.name for h in report.holders_shown]
+
+
+def test_advice_of_several_lines_keeps_its_lines_in_html():
+    """A cell to type (`%%oomguard -r bs -a acc` over the Trainer's lines) or an indented block stays lines in
+    the HTML form, as in the text form."""
+    report = guard_report()
+    report.diagnosis.advice.insert(0, Advice("Evaluate without autograd", "with torch.no_grad():\n    out = model(x)"))
+    html = H.guard_html(report)
+    assert "white-space:pre-wrap" in html and "<code>with torch.no_grad():\n    out = model(x)</code>" in html
+    assert "       with torch.no_grad():\n           out = model(x)" in T.guard_text(report)

@@ -125,6 +125,21 @@ def test_what_cannot_be_undone_is_named(tip, tmp_path):
     assert any(n.startswith("losses (a list changed in place") for n in report.not_undone), report.not_undone
     assert any("log.txt" in n for n in report.not_undone)
     assert "not undone: losses" in str(report)
+    assert "0 items before, 1 after the undone attempts" in str(report)   # the final run added the second
+
+
+def test_what_the_run_that_stands_adds_is_not_called_undone(tip):
+    """A list the failed attempt left alone and the final run appends to, and IPython's `Out` (the final
+    run's value, shown): neither is an effect of an undone attempt."""
+    from IPython.utils.capture import capture_output
+
+    run_ok(tip, "bs = 1024\nlosses = []", store_history=True)
+    with capture_output() as shown:
+        result = tip.run_cell(f"%%oomguard -l 64MiB -r bs\n{CELL}\nlosses.append(bs)\nlen(losses)\n",
+                              store_history=True)
+    assert result.success and result.result == 1 and len(tip.user_ns["losses"]) == 1
+    assert "recovered" in shown.stdout or "fits at" in shown.stdout, shown.stdout
+    assert "not undone" not in shown.stdout, shown.stdout
 
 
 @pytest.mark.parametrize("flags, value", [

@@ -247,11 +247,19 @@ def diagnosis_html(report) -> str:
         if diag.advice:
             items = "".join(
                 f'<li style="margin:2px 0">{escape(a.text)}'
-                + (f'<br><code style="{CODE}">{escape(a.code)}</code>' if a.code else "") + "</li>"
+                + (_code_html(a.code) if a.code else "") + "</li>"
                 for a in diag.advice[:MAX_ADVICE])
             out.append(f'<div style="margin-top:4px"><b>Try, most useful first:</b></div>'
                        f'<ol style="margin:2px 0 4px 0;padding-left:22px">{items}</ol>')
     return "".join(out)
+
+
+def _code_html(code: str) -> str:
+    """Advice's code: one line inline; several (a cell to type, an indented block) kept as lines."""
+    if "\n" not in code:
+        return f'<br><code style="{CODE}">{escape(code)}</code>'
+    return (f'<pre style="{CODE};display:inline-block;margin:2px 0;white-space:pre-wrap">'
+            f'<code>{escape(code)}</code></pre>')
 
 
 def reclaimed_html(report) -> str:

@@ -37,6 +37,9 @@ _CONTAINERS = (list, dict, set, bytearray)
 _MISSING = object()
 
 
+_IPYTHON_NAMES = ("In", "Out")            # IPython's input and output history: its own, not the cell's
+
+
 class Checkpoint:
     """`take()` before the first attempt, `restore()` after each attempt to undo, `not_undone()` after."""
 
@@ -49,6 +52,7 @@ class Checkpoint:
         self.states: list[tuple[str, object, object]] = []     # (name, object, saved state)
         self.rng: dict = {}
         self.lengths: dict[str, tuple[int, int]] = {}          # name -> (id, len) of containers
+        self.changed: dict[str, tuple[str, int, int]] = {}     # name -> (type, len before, len once undone)
         self.notes: list[str] = []
         self.files: list[str] = []                             # written by attempts that were undone
         self._attempt_files: list[str] = []                    # written by the attempt running now
@@ -62,7 +66,8 @@ class Checkpoint:
             self.bindings = dict(ns)
             # exact types only: a subclass may raise from len(), a dead weakref.proxy from isinstance()
             self.lengths = {k: (id(v), len(v)) for k, v in ns.items()
-                            if type(v) in _CONTAINERS and not k.startswith("_") and k not in self.keep}
+                            if type(v) in _CONTAINERS and not k.startswith("_") and k not in self.keep
+                            and k not in _IPYTHON_NAMES}
         found = stateful_objects(self._root_items())
         sizes = [(name, obj, state_bytes(obj)) for name, obj in found]
         total = sum(b for _, _, b in sizes)
@@ -114,6 +119,11 @@ class Checkpoint:
         set_rng_state(self.rng)
         self.files += self._attempt_files          # what an undone attempt wrote stays written
         self._attempt_files = []
+        ns = self.namespace or {}
+        for name, (ident, length) in self.lengths.items():   # what an undone attempt added stays added
+            value = ns.get(name, _MISSING)
+            if value is not _MISSING and id(value) == ident and len(value) != length:
+                self.changed[name] = (type(value).__name__, length, len(value))
 
     def holds(self, module) -> bool:
         """Whether `restore()` puts back the state of `module` (kept itself, or inside a kept module)."""
@@ -132,13 +142,9 @@ class Checkpoint:
 
     def not_undone(self) -> list[str]:
         """The effects of undone attempts that stayed: containers whose length changed, files written."""
-        out = []
-        ns = self.namespace or {}
-        for name, (ident, length) in self.lengths.items():
-            value = ns.get(name, _MISSING)
-            if value is not _MISSING and id(value) == ident and len(value) != length:
-                kind = type(value).__name__
-                out.append(f"{name} (a {kind} changed in place: {length} items before, {len(value)} now)")
+        # as found when each attempt was undone: what the run that stands adds is its own
+        out = [f"{name} (a {kind} changed in place: {before} item{'' if before == 1 else 's'} before, {after} "
+               "after the undone attempts)" for name, (kind, before, after) in self.changed.items()]
         if self.files:
             shown = ", ".join(sorted(set(self.files))[:5])
             more = len(set(self.files)) - 5
