@@ -177,9 +177,16 @@ def _fake_mps(monkeypatch, state):
     monkeypatch.setattr(probe, "_gpu", None)
 
 
+def _needs_xpu():
+    if not hasattr(torch, "xpu"):      # torch 2.2 has no torch.xpu: there cuda_magic never looks for one
+        pytest.skip(f"torch {torch.__version__} has no torch.xpu")
+
+
 def _fake_xpu(monkeypatch, state):
     """torch.xpu as torch 2.5+ has it (torch/xpu/memory.py: memory_allocated, max_memory_allocated,
     reset_peak_memory_stats; torch/xpu/__init__.py: is_initialized, current_device)."""
+    _needs_xpu()
+
     def reset(device=None):
         state["peak"] = state["allocated"]
 
@@ -372,6 +379,7 @@ def test_the_rollback_restores_the_xpu_generators(monkeypatch):
     # device]; set_rng_state_all(states) sets each (a clone), at once where the XPU is initialised
     from cuda_magic.recover.rollback import rng_state, set_rng_state
 
+    _needs_xpu()
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]   # two devices'
     monkeypatch.setattr(torch.xpu, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)

@@ -226,10 +226,13 @@ def _rocm(monkeypatch, amdsmi_module, *, torch_helper: bool = True):
     """A ROCm build of torch (torch.version.hip set), no NVML, `amdsmi` importable as `amdsmi_module`
     (None: not installed). torch_helper: torch's own amdsmi import succeeded (torch/cuda/__init__.py
     `_HAS_AMDSMI`, its module-level `amdsmi`), so its `_get_amdsmi_device_index` runs for real."""
+    if torch_helper and not hasattr(torch.cuda, "_get_amdsmi_device_index"):
+        pytest.skip(f"torch {torch.__version__} has no amdsmi helper (its ROCm build reads pynvml); the "
+                    "tests without the helper cover it")
     monkeypatch.setattr(torch.version, "hip", "6.4.43482-0")
     monkeypatch.setitem(sys.modules, "amdsmi", amdsmi_module)
     FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND).install(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "_HAS_AMDSMI", torch_helper)
+    monkeypatch.setattr(torch.cuda, "_HAS_AMDSMI", torch_helper, raising=False)
     if torch_helper:
         monkeypatch.setattr(torch.cuda, "amdsmi", amdsmi_module, raising=False)
         monkeypatch.setattr(torch.cuda, "_cached_hip_to_amdsmi", None)

@@ -39,9 +39,10 @@ class CompiledCell:
         if self.is_async:
             return self._run_async()
         shell = self.shell
-        exec(self.code, shell.user_global_ns, shell.user_ns)
-        if self.last is not None:
-            exec(self.last, shell.user_global_ns, shell.user_ns)
+        with _errors_through_time(shell, self.timed_lines is not None):
+            exec(self.code, shell.user_global_ns, shell.user_ns)
+            if self.last is not None:
+                exec(self.last, shell.user_global_ns, shell.user_ns)
         return None
 
     async def _run_async(self) -> None:
@@ -54,6 +55,46 @@ class CompiledCell:
                 await eval(code, shell.user_global_ns, shell.user_ns)
             else:
                 exec(code, shell.user_global_ns, shell.user_ns)
+
+
+class _errors_through_time:
+    """Around a `%%time` body: IPython before 8 has `%%time` catch the body's error and show it
+    (`self.shell.showtraceback()` in its except block, IPython/core/magics/execution.py, 7.34), which
+    would hide an out-of-memory error from the guard and keep its frames in sys.last_traceback. Here
+    showtraceback raises such an error on instead; every other error is shown as IPython shows it.
+    (IPython 8+ raises the body's error on itself; then this changes nothing.)"""
+
+    def __init__(self, shell, timed: bool):
+        self.shell, self.timed = shell, timed
+
+    def __enter__(self):
+        if not self.timed:
+            return self
+        from cuda_magic.oom.classify import is_oom
+
+        shell = self.shell
+        self.had = "showtraceback" in vars(shell)
+        original = shell.showtraceback
+
+        def showtraceback(*args, **kwargs):
+            import sys
+
+            exc = sys.exc_info()[1]
+            if exc is not None and is_oom(exc):
+                raise exc
+            return original(*args, **kwargs)
+
+        self.original = original
+        shell.showtraceback = showtraceback
+        return self
+
+    def __exit__(self, *exc):
+        if self.timed:
+            if self.had:
+                self.shell.showtraceback = self.original
+            else:
+                del self.shell.showtraceback
+        return False
 
 
 def _awaits(code) -> bool:
