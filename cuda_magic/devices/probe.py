@@ -73,12 +73,29 @@ def real_storage(tensor):
     a meta storage), a wrapper subclass (`_make_wrapper_subclass`: its storage cannot be accessed; the
     tensors it wraps hold the memory), a sparse or nested tensor without one plain storage."""
     try:
+        if type(tensor) in _PLAIN:         # the common case: a plain tensor's storage is on its device
+            return None if tensor.is_meta else tensor.untyped_storage()
         storage = tensor.untyped_storage()
         if storage.device.type == "meta":
             return None
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None
     return storage
+
+
+class _PlainTypes:
+    """torch.Tensor and nn.Parameter, looked up once torch is loaded (this module never imports it)."""
+
+    def __contains__(self, cls) -> bool:
+        torch = loaded_torch()
+        if torch is None:
+            return False
+        global _PLAIN
+        _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+        return cls in _PLAIN
+
+
+_PLAIN = _PlainTypes()
 
 
 def subclasses(base) -> frozenset:
