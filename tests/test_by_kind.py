@@ -100,6 +100,8 @@ def test_the_oom_report_has_the_split_at_the_failure(tip, capsys):
     run_ok(tip, "%%oomguard --no-raise -o\n"
                 "acts = [model(x).square().mean() for _ in range(3)]   # three losses with their graphs\n"
                 "huge = torch.empty(2**26)                              # 256 MiB: out of memory")
+    assert "At the failure, by kind" not in capsys.readouterr().out      # folded: `%oomguard last` shows it
+    tip.run_line_magic("oomguard", "last")
     out = capsys.readouterr().out
     assert "At the failure, by kind on sim:0" in out and "activations kept by graphs" in out
     report = tip.run_cell("%%oomguard --no-raise -o\nacts = [model(x).square().mean() for _ in range(3)]\n"

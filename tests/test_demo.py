@@ -62,11 +62,17 @@ def test_demo_shows_widgets_with_text_and_html_forms(executed):
 def test_demo_explains_the_oom_and_reclaims_memory(executed):
     nb, _ = executed
     text = _text(_outputs(nb, "%%oomguard --no-raise"))
-    assert "out of memory" in text.lower()
-    assert "Diagnosis" in text
-    assert "Failed at cell line 1" in text
-    assert "Try, most useful first" in text
-    reclaimed = re.search(r"Memory reclaimed: ([0-9.]+) (KiB|MiB|GiB)", text)
+    flat = " ".join(text.split())
+    # the answer: the line that ran out, what came back, the cause, what to paste with the cell's names
+    assert flat.startswith("%%oomguard: out of memory at ")
+    assert "cell line 1" in flat and "Cause: " in text and "Do this: " in text
+    assert "%%oomguard -r batch_size -a accum_steps" in text
+    released = re.search(r"memory released: ([0-9.]+) (KiB|MiB|GiB) back", flat)
+    assert released and float(released.group(1)) > 0
+    assert "Diagnosis" not in text and text.rstrip().endswith("%oomguard last")      # the rest is folded
+    full = _text(_outputs(nb, "%oomguard last"))           # ... and shown in full on demand
+    assert "Diagnosis" in full and "Failed at cell line 1" in full and "Try, most useful first" in full
+    reclaimed = re.search(r"Memory reclaimed: ([0-9.]+) (KiB|MiB|GiB)", full)
     assert reclaimed and float(reclaimed.group(1)) > 0
 
 
@@ -76,9 +82,9 @@ def test_demo_black_box_names_the_attention_line(executed):
     text = _text(outputs)
     assert "Alive at the failure, by line" in text
     assert re.search(r"MiB +\d+ +In\[\d+\] line 10 \(forward\), cell line 2 +scores = q @ k.transpose\(-1, -2\)\n", text)
-    assert "The failing request: 25.00 MiB from `scores = q @ k.transpose(-1, -2)` at In[" in text
-    flat = " ".join(text.split())              # the diagnosis is wrapped at 100 columns
-    assert "was alive from `scores = q @ k.transpose(-1, -2)` at In[" in flat   # the diagnosis cites it
+    flat = " ".join(text.split())              # the headline and the cause are wrapped at 100 columns
+    assert "out of memory at `scores = q @ k.transpose(-1, -2)` at In[" in flat and "asked 25.00 MiB" in flat
+    assert "was alive from `scores = q @ k.transpose(-1, -2)` at In[" in flat   # the cause cites it
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "<svg" in html and "<script" not in html.lower()
 

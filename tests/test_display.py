@@ -163,11 +163,24 @@ def test_hidden_tensors_when_the_backend_cut_the_list():
     assert "+8 more (32.00 MiB)" in T.snapshot_text(snap)
 
 
-def test_guard_text_within_one_screen_with_all_facts():
-    text = T.guard_text(guard_report())
+def test_guard_text_leads_with_the_answer_and_folds_the_rest():
+    """Issue 21: the headline (the line that failed, asked against free), the cause in one sentence, the
+    first thing to do as a line to paste, the next ones short; the figures are in the full report."""
+    short = T.guard_text(guard_report())
+    lines = short.splitlines()
+    assert len(lines) <= 15 and max(map(len, lines)) <= 110
+    assert " ".join(short.split()).startswith(
+        "%%oomguard: fits at batch_size=16; ran out of memory at cell line 3 `out = model(x.expand(batch_size, -1))`: "
+        "asked 1.00 GiB, 100.00 MiB free of 8.00 GiB at batch_size=64")
+    assert lines[2] == "batch_size = 16 (was 64)" and lines[3].startswith("Cause: ")
+    assert next(i for i, l in enumerate(lines) if l.startswith("Do this: ")) < 8
+    assert sum(l.startswith("Or: ") for l in lines) == 2
+    assert lines[-1] == "More (the figures, the split by kind, the whole diagnosis and advice, each attempt): %oomguard last"
+    for folded in ("reserved but unallocated", "Attempts", "Try, most useful first"):
+        assert folded not in short
+    text = T.guard_text(guard_report(), full=True)
     lines = text.splitlines()
-    assert len(lines) <= 40 and max(map(len, lines)) <= 110
-    assert lines[0] == "%%oomguard: out of memory at batch_size=64; fits at batch_size=16"
+    assert len(lines) <= 60 and max(map(len, lines)) <= 110
     assert re.search(r"cuda:0\s+1\.00 GiB\s+7\.90 GiB\s+1\.00 GiB\s+\+5\.00 MiB\s+8\.00 GiB", text)
     assert re.search(r"1\s+64\s+out of memory \(asked 2\.00 GiB\)\s+7\.50 GiB\s+1\.25 s", text)
     assert re.search(r"3\s+16\s+fits\s+5\.25 GiB\s+500\.0 ms", text)
@@ -186,8 +199,9 @@ def test_guard_text_many_attempts_stays_short():
     report = guard_report()
     report.attempts = [Attempt(1000 - i, "oom", peak=GiB, duration=0.1) for i in range(30)]
     report.diagnosis.advice *= 3
-    text = T.guard_text(report)
-    assert len(text.splitlines()) <= 40
+    assert len(T.guard_text(report).splitlines()) <= 15
+    text = T.guard_text(report, full=True)
+    assert len(text.splitlines()) <= 60
     assert "1000" in text and "971" in text and "18 more" in text
 
 
@@ -234,7 +248,7 @@ def test_diff_text():
 
 
 def test_records_repr_use_text_forms():
-    assert str(guard_report()) == T.guard_text(guard_report())
+    assert str(guard_report()) == T.guard_text(guard_report(), full=True)   # print(report): all of it
     # `-o` returns the report as the cell's value: one line, the full report has been shown already
     assert repr(guard_report()) == "<GuardReport cuda:0: recovered, 3 attempts; batch_size = 16 (was 64)>"
     assert repr(snapshot()) == T.snapshot_text(snapshot())
@@ -392,12 +406,46 @@ def test_guard_widget_updates_live():
     w.add_attempt(final.attempts[1])
     assert w.attempts.value.count("<tr>") == 3                    # header + 2 attempts
     assert "attempt 3" in w.text().splitlines()[0]
+    w.try_value(8, 8)                                             # the header says what runs now
+    assert "attempt 3 at batch_size = 8" in w.title.value
     w.update(final)
-    assert w.attempts.value.count("<tr>") == 4
-    assert w.diagnosis.layout.display is None and "Names in the notebook keep" in w.diagnosis.value
-    assert "batch_size = 16" in w.diagnosis.value
-    assert w.reclaimed.layout.display is None and "6.50 GiB" in w.reclaimed.value
+    # the answer unfolded; the attempts, the figures and the whole diagnosis in the folded details
+    assert w.attempts.layout.display == "none" and w.reclaimed.layout.display == "none"
+    assert w.diagnosis.layout.display is None and "Cause:" in w.diagnosis.value and "Do this:" in w.diagnosis.value
+    assert "batch_size = 16" in w.title.value and "fits at batch_size=16" in w.title.value
+    details = w.details.value
+    assert "<details" in details and details.count("<tr>") >= 4 and "Names in the notebook keep" in details
+    assert "6.50 GiB" in details
     assert w.text() == T.guard_text(final) and w.html() == H.guard_html(final)
+
+
+def test_live_widget_follows_a_retry_set_after_it_was_built(shell, monkeypatch):
+    """%%oomguard shows its widget before the retry loop sets report.retry: the attempts and the value tried
+    still show while the cell runs; between attempts the header never says the next attempt runs at the
+    value that just failed, nor, once a value fitted, that another attempt runs."""
+    from IPython.utils.capture import capture_output
+
+    from cuda_magic.display.show import show_guard
+
+    monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "widget")
+    report = GuardReport(device="cuda:0")
+    with capture_output():
+        handle = show_guard(report)
+    report.retry = Retry("batch_size", 64)              # as the retry loop does, once the widget is shown
+    handle.try_value(64)
+    first = guard_report().attempts[0]
+    report.attempts.append(first)
+    handle.add_attempt(first)
+    assert "64" in handle.widget.attempts.value and "out of memory" in handle.widget.attempts.value
+    assert "attempt 2" not in handle.widget.title.value             # not "attempt 2 at batch_size = 64"
+    handle.try_value(16)
+    assert "attempt 2 at batch_size = 16" in handle.widget.title.value
+    fitted = guard_report().attempts[2]                 # 16 fits: the retry sets 16 again to keep it
+    report.attempts.append(fitted)
+    handle.add_attempt(fitted)
+    handle.try_value(16)
+    title = handle.widget.title.value
+    assert "attempt 2 at batch_size = 16" in title and "attempt 3" not in title
 
 
 def test_watch_widget_rows():
@@ -474,7 +522,7 @@ def test_forced_forms_in_a_shell(shell, monkeypatch):
         handle = show_guard(GuardReport(device="cuda:0", retry=Retry("batch_size", 64)))
         handle.add_attempt(guard_report().attempts[0])
         handle.show_report(guard_report())
-    assert "7.50 GiB" in handle.widget.attempts.value and "6.50 GiB" in handle.widget.reclaimed.value
+    assert "7.50 GiB" in handle.widget.details.value and "6.50 GiB" in handle.widget.details.value
     monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "bogus")
     with pytest.warns(UserWarning, match="CUDA_MAGIC_DISPLAY"):
         assert display_form() == "text"
@@ -531,14 +579,14 @@ def test_why_the_value_kept_was_tried_is_said_in_both_forms():
     report = guard_report()
     report.attempts[2].reason = ("95% of 17, predicted from the model measured on 2 and 4 rows of the batch "
                                  "that failed at 32 (64.00 MiB a row at its peak, 0.05 s)")
-    text = T.guard_text(report)
+    text = T.guard_text(report, full=True)
     assert "why batch_size = 16: 95% of 17, predicted from the model measured on 2 and 4 rows" in text
     assert max(map(len, text.splitlines())) <= 110
     html = H.guard_html(report)
     assert "why batch_size = 16: 95% of 17, predicted from the model measured" in html
     assert "why batch_size" not in T.guard_text(report, running=True)
     report.attempts[2].reason = ""
-    assert "why batch_size" not in T.guard_text(report)
+    assert "why batch_size" not in T.guard_text(report, full=True)
 
 
 def test_the_approximate_peak_says_what_it_is_for_each_device():
@@ -563,7 +611,7 @@ def test_names_too_small_to_matter_are_counted_not_listed():
     report = guard_report()
     report.diagnosis.holders.append(Holder("tiny", 5 * MiB))
     assert [h.name for h in report.holders_shown] == ["losses", "<b>x</b>"] and report.holders_hidden == 1
-    assert "and 1 smaller" in T.guard_text(report) and "and 1 smaller" in H.guard_html(report)
+    assert "and 1 smaller" in T.guard_text(report, full=True) and "and 1 smaller" in H.guard_html(report)
     report.oom.free = 1 * GiB - 4 * MiB          # 4 MiB short: the 5 MiB name alone would make it fit
     assert "tiny" in [h.name for h in report.holders_shown]
 
@@ -575,4 +623,5 @@ def test_advice_of_several_lines_keeps_its_lines_in_html():
     report.diagnosis.advice.insert(0, Advice("Evaluate without autograd", "with torch.no_grad():\n    out = model(x)"))
     html = H.guard_html(report)
     assert "white-space:pre-wrap" in html and "<code>with torch.no_grad():\n    out = model(x)</code>" in html
-    assert "       with torch.no_grad():\n           out = model(x)" in T.guard_text(report)
+    assert "    with torch.no_grad():\n        out = model(x)" in T.guard_text(report)          # the first: unfolded
+    assert "       with torch.no_grad():\n           out = model(x)" in T.guard_text(report, full=True)

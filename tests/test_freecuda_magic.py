@@ -123,3 +123,42 @@ def test_offload_takes_tensors_off_the_simulated_device_keeping_data_and_identit
     assert report.freed["sim:0"] >= 4 * 512 * 512 * 4
     run_ok(tip, "assert model.weight is w and torch.equal(model.weight, saved)\n"
                 "model(torch.randn(4, 512)).sum().backward(); opt.step()")
+
+
+# ---- sizes that add up (issue 21) -------------------------------------------------------------------
+
+def test_a_release_on_the_simulated_device_is_reported_once_on_it(tip, capsys):
+    # the simulated device's tensors are CPU tensors: the bytes it gives back are said once, on sim:0
+    from cuda_magic.magics.state import get_state
+
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "big = torch.zeros(2**20)")
+    capsys.readouterr()
+    report = tip.run_line_magic("freecuda", "big -o")
+    out = capsys.readouterr().out
+    assert report.freed == {"sim:0": 4 * 2**20}
+    assert "Freed 4.00 MiB on sim:0" in out and out.count("Freed") == 1 and "on cpu" not in out
+    # the guard's "Memory reclaimed" is measured on the one device it meters
+    run_ok(tip, STEP)
+    tip.run_cell("%%oomguard --no-raise\nout = step(1024)")
+    assert list(get_state(tip).last_report.reclaimed) == ["sim:0"]
+
+
+def test_names_that_share_memory_are_grouped_and_the_sizes_add_up_to_what_is_held(tip, capsys):
+    from cuda_magic.devices.simulated import active_device
+    from cuda_magic.display.html import release_html
+    from cuda_magic.units import format_bytes
+
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "model = torch.nn.Linear(256, 256)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "w = model.weight\nx = torch.zeros(2**16)")
+    capsys.readouterr()
+    report = tip.run_line_magic("freecuda", "-o")
+    out = capsys.readouterr().out
+    held = active_device().allocated
+    assert sum(b for _, b in report.still_held) == held          # the rows add up: each storage once
+    assert ("model, opt, w", 257 * 256 * 4) in report.still_held and ("x", 2**18) in report.still_held
+    assert any(n.startswith("model, opt, w share memory") for n in report.notes)
+    total, = [line for line in out.splitlines() if "total (each storage once)" in line]
+    assert total.split()[-2:] == format_bytes(held).split()
+    assert "total (each storage once)" in release_html(report)

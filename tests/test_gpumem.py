@@ -314,3 +314,60 @@ def test_activations_a_logged_loss_keeps_are_named_by_its_graph(tip):
     # storages with plain names keep only those: the weight is `lin.weight`, not a graph's
     weight = [r for r in snap.tensor_list if "lin.weight" in r.names]
     assert weight and all("(its graph)" not in n for n in weight[0].names)
+
+
+# ---- what the tables say (issue 21) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["widget", "html"])
+def test_a_watch_line_stays_one_line_in_what_a_saved_notebook_keeps(tip, monkeypatch, form):
+    # nbconvert, GitHub's viewer and a notebook reopened without widget state show the output's text/html:
+    # one cell's record is the line the widget shows, not a one-row table with its own header
+    from IPython.utils.capture import capture_output
+
+    from cuda_magic.display.html import watch_html
+    from cuda_magic.display.layout import watch_line
+    from cuda_magic.magics.state import get_state
+
+    monkeypatch.setenv("CUDA_MAGIC_DISPLAY", form)
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    tip.run_line_magic("gpumem", "--watch -q")
+    with capture_output() as cap:
+        run_ok(tip, "t = torch.zeros(2**18)", store_history=True)
+    record, = get_state(tip).history
+    data, = [o.data for o in cap.outputs]
+    assert ("application/vnd.jupyter.widget-view+json" in data) == (form == "widget")
+    assert data["text/html"] == watch_html(record)
+    assert "<table" not in data["text/html"] and "+1.00 MiB allocated" in data["text/html"]
+    assert data["text/plain"] == watch_line(record)
+
+
+def test_a_parameter_that_a_view_carries_into_a_graph_carries_no_graph_itself(tip, capsys):
+    run_ok(tip, "lin = torch.nn.Linear(64, 256)\nwt = lin.weight.T\nleaf = torch.ones(300, requires_grad=True)\n"
+                "half = leaf[:150]\nout = lin(torch.randn(8, 64))")
+    capsys.readouterr()
+    snap = tip.run_line_magic("gpumem", "-n 50 -o")
+    text = capsys.readouterr().out
+    weight, leaf, out = _row(snap, "lin.weight"), _row(snap, "leaf"), _row(snap, "out")
+    assert "wt" in weight.names and not weight.grad_fn          # `wt` has a grad_fn (TBackward0): a view's
+    assert "half" in leaf.names and not leaf.grad_fn
+    assert out.grad_fn                                          # the result of a forward pass does
+    line, = [row for row in text.splitlines() if row.lstrip().startswith("lin.weight")]
+    assert not line.rstrip().endswith("yes")
+
+
+def test_two_activations_one_graph_keeps_are_one_row_not_the_same_line_twice(tip, capsys):
+    from cuda_magic.display.html import snapshot_html
+
+    run_ok(tip, "net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),"
+                " torch.nn.ReLU(), torch.nn.Linear(256, 1))\nlosses = [net(torch.randn(128, 64)).sum()]")
+    capsys.readouterr()
+    snap = tip.run_line_magic("gpumem", "-n 50 -o")
+    out = capsys.readouterr().out
+    # the two ReLU outputs the graph saved: two storages in the data, one row in the table
+    saved = [r for r in snap.tensor_list if r.names == ["losses[0] (its graph)"] and r.shape == (128, 256)]
+    assert len(saved) == 2
+    rows = [line for line in out.splitlines() if "losses[0]" in line and "(128, 256)" in line]
+    assert len(rows) == 1, rows
+    assert "losses[0] (its graph: 2 storages)" in rows[0] and "256.00 KiB" in rows[0]
+    html = snapshot_html(snap)
+    assert html.count("losses[0] (its graph: 2 storages)") == 1

@@ -42,8 +42,11 @@ def test_failed_cell_frames_are_freed_and_the_short_error_holds_nothing(gip, cap
     assert tensors_reachable(error, gip) == []
     assert "out" not in gip.user_ns
     out = capsys.readouterr().out
-    assert "Failed at cell line 2" in out and "out = step(batch)" in out
+    assert "out of memory at" in out and "cell line 2" in out and "memory released" in out
     assert "reclaimed" in out.lower()
+    gip.run_line_magic("oomguard", "last")       # the folded part, in full
+    out = capsys.readouterr().out
+    assert "Failed at cell line 2" in out and "out = step(batch)" in out and "Diagnosis:" in out
 
 
 def test_reachability_walk_does_find_a_tensor_held_by_a_frame(gip):

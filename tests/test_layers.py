@@ -240,13 +240,16 @@ def test_no_module_at_the_top_but_the_api_and_shared_helpers():
 
 
 def test_the_text_and_html_forms_draw_from_layout_only():
-    """What the forms share (bar parts, titles, attempt rows) is decided once, in display/layout.py; they
-    draw with display/elements.py and include the black box's view (display/blackbox_view.py) directly."""
+    """What the forms share (bar parts, titles, attempt rows) is decided once, in display/layout.py, and what
+    a guard report leads with in display/answer.py; they draw with display/elements.py and include the
+    black box's view (display/blackbox_view.py) directly."""
     for form in ("text", "html"):
         drawn_from = {t for t, _, _ in imports_of(PACKAGE / "display" / f"{form}.py") if t.startswith("cuda_magic.display")}
         assert drawn_from == {"cuda_magic.display.layout", "cuda_magic.display.elements",
-                              "cuda_magic.display.blackbox_view"}, (form, drawn_from)
+                              "cuda_magic.display.blackbox_view", "cuda_magic.display.answer"}, (form, drawn_from)
     assert not [t for t, _, _ in imports_of(PACKAGE / "display" / "layout.py") if t.startswith("cuda_magic.display")]
+    answer = {t for t, _, _ in imports_of(PACKAGE / "display" / "answer.py") if t.startswith("cuda_magic.display")}
+    assert answer <= {"cuda_magic.display.layout", "cuda_magic.display.elements", "cuda_magic.display.blackbox_view"}
 
 
 def test_the_readme_architecture_names_real_modules_and_every_layer():

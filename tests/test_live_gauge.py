@@ -199,3 +199,69 @@ def test_a_guarded_cell_shows_the_gauge_while_it_runs_then_the_report_and_no_thr
         drawn, not_drawn = gauges
         assert "cuda-magic-gauge-allocated" in drawn["value"] and "sim:0" in drawn["value"]
         assert not_drawn["value"] == ""                                      # --no-live: never drawn
+
+
+# ---- the peak so far, and what a saved notebook keeps (issue 21) -------------------------------------
+
+class DrawnReadings:
+    """A gauge view that keeps every reading it is asked to draw."""
+
+    def __init__(self):
+        self.readings = []
+
+    def show(self, reading) -> None:
+        self.readings.append(reading)
+
+    def hide(self) -> None:
+        pass
+
+
+def test_the_peak_so_far_never_goes_down_while_watch_resets_the_counter(tip, monkeypatch):
+    # `%gpumem --watch` resets the device's peak counter as each cell starts: the gauge's peak must still
+    # only rise, and end at least at the highest cell's own peak, also one that came and went between two
+    # readings (the instant 40 MiB cell)
+    import cuda_magic.display.gauge as gauge_module
+    from cuda_magic.magics.state import get_state
+
+    view = DrawnReadings()
+    monkeypatch.setattr(gauge_module, "gauge_possible", lambda: True)       # the shell has no kernel
+    monkeypatch.setattr(gauge_module, "own_view", lambda: view)
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, "import time")
+    tip.run_line_magic("gpumem", "--watch -q")
+    tip.run_line_magic("gpumem", "--live")
+    run_ok(tip, "x = torch.zeros(10 * 2**18)\ntime.sleep(0.6)\ndel x")            # 10 MiB, read a few times
+    run_ok(tip, "y = torch.zeros(40 * 2**18)\ndel y")                           # 40 MiB for an instant
+    run_ok(tip, "time.sleep(0.6)")
+    tip.run_line_magic("gpumem", "--live off")
+    assert gauge_threads() == []
+    peaks = [r.peak for r in view.readings]
+    assert len(peaks) >= 3 and None not in peaks
+    assert peaks == sorted(peaks), [p / MiB for p in peaks]
+    cells = get_state(tip).history
+    assert [r.device for r in cells] == ["sim:0"] * 3
+    assert peaks[-1] >= max(r.peak for r in cells) >= 40 * MiB
+
+
+SAVED_GAUGE = """
+live = get_ipython().magics_manager.registry["GpumemMagics"].cuda_magic_state.live
+"""
+
+
+def test_a_saved_live_gauge_carries_its_last_reading_as_html_and_text():
+    # what nbconvert, GitHub and a notebook reopened without its widget state show is the output's
+    # text/html and text/plain: the last reading (the widget, through its comm, shows the same)
+    nb = run_in_kernel(["%load_ext cuda_magic\nimport torch\n%gpumem --simulate 256MiB -q",
+                        "%gpumem --watch -q\n%gpumem --live", ALLOCATE + "del keep\n", "time.sleep(0.6)",
+                        SAVED_GAUGE, "%gpumem --live off", "print(live.view.widget.value)"])
+    gauge = [o for o in nb.cells[2].outputs if o.get("output_type") == "display_data"
+             and o["data"].get("text/plain", "").startswith("[live]")]
+    assert len(gauge) == 1
+    data = gauge[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in data
+    last = printed(nb.cells[7]).strip()
+    assert data["text/html"] == last                      # the last reading drawn, not a placeholder
+    assert re.search(r"cuda-magic-gauge-allocated\">([^<]*)<", last).group(1) == "0 B"     # `keep` went
+    # the allocating cell peaked at 25 MiB; --watch reset the counter when the next cells started
+    assert re.search(r"cuda-magic-gauge-peak\">([^<]*)<", last).group(1) == "25.00 MiB"
+    assert "allocated 0 B" in data["text/plain"] and "peak so far 25.00 MiB" in data["text/plain"]

@@ -256,3 +256,15 @@ def test_nvml_starts_once_and_shuts_down(fake):
     nvml.shutdown()
     assert fake.shutdowns == 1 and not fake.initialized
 
+
+
+def test_the_no_gpu_note_is_one_sentence_without_nested_parentheses(monkeypatch, fresh_nvml):
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        pytest.skip("torch has initialised CUDA in this process")
+    FakeNvml(_two_gpus(), init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND).install(monkeypatch)
+    note, = read_devices().notes
+    assert note.startswith("No GPU found: NVML is not available (NVML Shared Library Not Found). "), note
+    assert note.count("(") == 1 and note.count(")") == 1

@@ -261,12 +261,12 @@ def read_devices(*, cpu_tensor_bytes: int | None = None) -> DeviceReading:
     reading.gpu_present = bool(cuda or mps or xpus)
     if not reading.gpu_present:
         nvml_failure = get_nvml().failure
-        why = f" ({nvml_failure})" if nvml_failure else ""
+        found = f"No GPU found: {nvml_failure}." if nvml_failure else "No GPU found."
         if sim is not None:
-            reading.notes.insert(0, f"No GPU found{why}: the simulated device stands in for one; this "
-                                    "process's CPU memory follows.")
+            reading.notes.insert(0, f"{found} The simulated device stands in for one; this process's CPU "
+                                    "memory follows.")
         else:
-            reading.notes.insert(0, f"No GPU found{why}: showing this process's CPU memory and CPU tensors.")
+            reading.notes.insert(0, f"{found} Showing this process's CPU memory and CPU tensors.")
     if not reading.gpu_present:
         reading.devices.append(cpu_device(cpu_tensor_bytes))
     return reading

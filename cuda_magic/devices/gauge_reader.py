@@ -8,11 +8,18 @@
 - other GPUs (MPS, XPU): their meter's counters;
 - the CPU: the process's resident memory and its high-water mark from /proc.
 Each reading is a small record of ints; what cannot be read is None.
+
+The peak a gauge shows never goes down while it shows: it is the highest figure read since the reader
+was made (a guarded cell's gauge has its own reader; `%gpumem --live`'s counts from when it was turned
+on), and a peak counter reset under it (`%gpumem --watch` resets it as each cell starts) first hands the
+peak it is about to lose to `peak_reset()`, so that a peak between two readings is not lost either.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from cuda_magic.devices.meter import capacity_of
@@ -20,6 +27,15 @@ from cuda_magic.devices.probe import cuda_started
 
 
 APPROXIMATE = ("cpu", "mps")      # peaks from readings (the OS's high-water mark, MPS's highest figure read)
+_readers: weakref.WeakSet = weakref.WeakSet()     # the GaugeReaders alive, for peak_reset()
+
+
+def peak_reset(key: str, peak: int | None) -> None:
+    """Call before resetting the peak counter of device `key`: the gauges reading it keep `peak` (the
+    counter's figure now). Cheap where no gauge is on; never raises."""
+    for reader in list(_readers):
+        if reader.key == key:
+            reader.keep_peak(peak, read_before=True)
 
 
 @dataclass
@@ -55,6 +71,18 @@ class GaugeReader:
         self._cuda = meter.key.startswith("cuda")
         # CUDA's capacity from device properties would start CUDA: read it once torch has (or from NVML)
         self._capacity = None if self._cuda else capacity_of(meter)
+        self._peak: int | None = None     # the highest peak read (or handed over) since this reader was made
+        self._peak_lock = threading.Lock()
+        _readers.add(self)
+
+    def keep_peak(self, peak: int | None, *, read_before: bool = False) -> int | None:
+        """The running peak, raised to `peak`. With `read_before` (a counter about to be reset) only once
+        this reader has read: the counter's figure then covers only what it already counted."""
+        with self._peak_lock:
+            if peak is not None and (self._peak is None or peak > self._peak) \
+                    and not (read_before and self._peak is None):
+                self._peak = int(peak)
+            return self._peak
 
     def read(self) -> GaugeReading:
         now = time.monotonic()
@@ -66,6 +94,7 @@ class GaugeReader:
         else:
             allocated, reserved, peak = self.meter.allocated(), self.meter.reserved(), self.meter.peak()
             other = None
+        peak = self.keep_peak(max(peak, allocated) if peak is not None and allocated is not None else peak)
         capacity = self._capacity if self._capacity is not None else self._nvml_total
         if self.key.startswith("sim"):
             capacity = self.meter.capacity()      # `-l` lowers it for the run

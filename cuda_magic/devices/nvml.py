@@ -43,15 +43,15 @@ class Nvml:
             try:
                 import pynvml
             except ImportError:
-                self._failed = "NVML bindings missing: pip install nvidia-ml-py"
+                self._failed = "NVML's Python bindings are not installed (pip install nvidia-ml-py)"
                 return False
             try:
                 pynvml.nvmlInit()
             except pynvml.NVMLError as exc:
-                self._failed = f"NVML unavailable ({_reason(exc)})"
+                self._failed = f"NVML is not available ({_reason(exc)})"
                 return False
             except OSError as exc:  # a broken driver library can fail to load at all
-                self._failed = f"NVML unavailable ({exc})"
+                self._failed = f"NVML is not available ({exc})"
                 return False
             self._pynvml = pynvml
             self._started = True

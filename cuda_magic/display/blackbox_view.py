@@ -5,16 +5,14 @@ from __future__ import annotations
 
 from html import escape
 
-from cuda_magic.display.chart import PALETTE, Chart, Marker, Series, sparkline, svg
-from cuda_magic.display.elements import CODE, MUTED, box, html_table, shorten, table
+from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
+from cuda_magic.display.elements import CAP_COLOR, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box, html_table
+from cuda_magic.display.elements import shorten, table
 from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
 
 MAX_LINES = 8             # rows of the by-line table; the rest are summed in one row
 SPARK_WIDTH = 60
-FAIL_COLOR = "#c62828"
-PEAK_COLOR = "#0b3a80"
-CAP_COLOR = "#555555"
 
 
 def attempt_series(tl) -> dict[int, list[tuple[float, int]]]:
@@ -51,9 +49,9 @@ def line_label(use) -> str:
     return where
 
 
-def rows_shown(tl):
-    rows = tl.by_line[:MAX_LINES]
-    rest = tl.by_line[MAX_LINES:]
+def rows_shown(tl, count: int = MAX_LINES):
+    rows = tl.by_line[:count]
+    rest = tl.by_line[count:]
     return rows, (sum(u.bytes for u in rest), sum(u.tensors for u in rest), len(rest))
 
 
@@ -80,10 +78,27 @@ def failing_words(tl) -> str | None:
 
 # ---- the chart (HTML and widget forms) ----------------------------------------------------------
 
-def timeline_chart(tl) -> str:
+def attempt_failed(tl, attempt: int) -> bool:
+    """Whether the attempt ran out of memory: a retry runs again only after one did, so every attempt up
+    to the last failing request's did, and a later one did not."""
+    return tl.failure is not None and attempt <= tl.failure.attempt
+
+
+def trace_series(tl) -> list[Series]:
+    """One trace per attempt: allocated memory's colour, red for the attempts that ran out of memory."""
     traces = attempt_series(tl)
-    series = [Series(trace_label(a, len(traces)), pts, color=PALETTE[i % len(PALETTE)])
-              for i, (a, pts) in enumerate(sorted(traces.items()))]
+    series = []
+    for a, pts in sorted(traces.items()):
+        label = trace_label(a, len(traces))
+        failed = len(traces) > 1 and attempt_failed(tl, a)
+        series.append(Series(label + (": out of memory" if failed else ""), pts,
+                             color=FAIL_COLOR if failed else COLORS["torch_allocated"]))
+    return series
+
+
+def timeline_markers(tl) -> list[Marker]:
+    """The capacity or cap line, the peak, and the failing request as a bar on top of what was allocated,
+    which does not set the scale: one larger than the device is pinned to the top edge."""
     markers = []
     if tl.capacity is not None:
         markers.append(Marker(f"{'cap' if tl.limited else 'capacity'} {format_bytes(tl.capacity)}", tl.capacity,
@@ -91,29 +106,35 @@ def timeline_chart(tl) -> str:
     markers.append(Marker(f"peak {format_bytes(tl.peak)}", tl.peak, x=tl.peak_seconds, color=PEAK_COLOR))
     if tl.failure is not None:
         f = tl.failure
-        markers.append(Marker(f"failed: +{format_bytes(f.requested)}", f.allocated + f.requested, x=f.seconds,
-                              color=FAIL_COLOR))
-    return svg(Chart(series, markers, x_label="seconds"))
+        markers.append(Marker(f"failed request +{format_bytes(f.requested)}", f.allocated + f.requested,
+                              x=f.seconds, color=FAIL_COLOR, scale=False, base=f.allocated))
+    return markers
+
+
+def timeline_chart(tl) -> str:
+    return svg(Chart(trace_series(tl), timeline_markers(tl), x_label="seconds"))
 
 
 # ---- text ----------------------------------------------------------------------------------------
 
-def timeline_text(tl) -> str:
+def timeline_text(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
+    """The sparkline per attempt and the by-line table's first `rows`; `failing`: the failing request's
+    line too (a report whose headline names it leaves it out)."""
     lines = [f"Black box: allocated memory over the run ({headline(tl)})"]
     traces = attempt_series(tl)
-    top = max([tl.capacity or 0, tl.peak] + ([tl.failure.allocated + tl.failure.requested] if tl.failure else []))
+    top = max(tl.capacity or 0, tl.peak)     # as the chart: the failing request does not flatten the trace
     for attempt, pts in sorted(traces.items()):
         spark = sparkline([a for _, a in pts], SPARK_WIDTH, top=top)
         peak = max(a for _, a in pts)
         lines.append(f"  {spark}  {trace_label(attempt, len(traces))}: peak {format_bytes(peak)}")
     if tl.by_line:
         lines.append(by_line_title(tl))
-        rows, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl)
-        body = [[format_bytes(u.bytes), str(u.tensors), line_label(u), shorten(u.code, 60)] for u in rows]
+        shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows)
+        body = [[format_bytes(u.bytes), str(u.tensors), line_label(u), shorten(u.code, 60)] for u in shown]
         if rest_n:
             body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
         lines += table(["bytes", "tensors", "where", "code"], body, right={0, 1})
-    words = failing_words(tl)
+    words = failing_words(tl) if failing else None
     if words:
         lines.append(words)
     lines += [f"note: {n}" for n in tl.notes]
@@ -124,22 +145,22 @@ def timeline_text(tl) -> str:
 
 # ---- HTML (also the widget's) --------------------------------------------------------------------
 
-def by_line_html(tl) -> str:
-    rows, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl)
+def by_line_html(tl, rows: int = MAX_LINES) -> str:
+    shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows)
     body = [[format_bytes(u.bytes), str(u.tensors), escape(line_label(u)),
-             f'<code style="{CODE}">{escape(shorten(u.code, 90))}</code>' if u.code else ""] for u in rows]
+             f'<code style="{CODE}">{escape(shorten(u.code, 90))}</code>' if u.code else ""] for u in shown]
     if rest_n:
         body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
     return html_table(["bytes", "tensors", "where", "code"], body, {0, 1}, cls="cuda-magic-by-line", raw={2, 3})
 
 
-def timeline_html(tl) -> str:
+def timeline_html(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
     out = [f'<div style="margin-top:6px"><b>Black box:</b> <span style="{MUTED}">{escape(headline(tl))}</span></div>',
            f'<div class="cuda-magic-timeline">{timeline_chart(tl)}</div>']
     if tl.by_line:
         out.append(f"<div><b>{escape(by_line_title(tl))}</b></div>")
-        out.append(by_line_html(tl))
-    f = tl.failure
+        out.append(by_line_html(tl, rows))
+    f = tl.failure if failing else None
     if f is not None:
         phase = f" {BACKWARD_WORDS} of" if f.phase == "backward" else " from"
         if f.site is not None:

@@ -7,16 +7,24 @@ from html import escape
 
 from cuda_magic.display.layout import UNKNOWN
 
+# Marks (bar parts, chart lines and points): mid tones with 3:1 or more against white and against a dark
+# theme's #111111 alike, one colour per meaning across every bar and chart (tests/test_chart_fit.py).
 COLORS = {
-    "torch_allocated": "#1f5fbf",      # strong blue
-    "torch_cached": "#8db9ec",         # light blue
-    "other_this_process": "#8e5cc4",   # purple
-    "other_processes": "#f28e2b",      # orange
-    "free": "#e4e4e4",                 # light grey
-    UNKNOWN: "#b0b0b0",                # mid grey: the backend does not say
+    "torch_allocated": "#2f6fd6",      # blue
+    "torch_cached": "#2894c8",         # sky blue
+    "other_this_process": "#9b59d0",   # purple
+    "other_processes": "#d9730d",      # orange
+    "free": "rgba(128,128,128,.22)",   # a translucent grey: the background's own part, no glare in dark
+    UNKNOWN: "#8c8c8c",                # mid grey: the backend does not say
 }
-PEAK_COLOR = "#0b3a80"
-OUTCOME_COLORS = {"ok": "#2e7d32", "oom": "#c62828", "error": "#c62828", "interrupted": "#a15c00"}
+PEAK_COLOR = "#6a5acd"                 # slate blue: a peak, in bars, gauges and charts
+FAIL_COLOR = "#d93a3a"                 # red: the failing request and the attempts that ran out of memory
+CAP_COLOR = "currentColor"             # the capacity or cap line: the text's own colour
+# Outcomes are marks too (the headline's bar, a dot before an attempt's outcome, a tick before what came
+# back): no one fixed colour has 4.5:1 as text on both white and #111111, and theme variables are not the
+# theme's everywhere (ipywidgets 7 in the classic Notebook defines --jp-error-color1 as #F44336, 3.7:1 on
+# white), so words keep the page's own text colour and the colour goes on a mark beside them.
+OUTCOME_COLORS = {"ok": "#2e9d4a", "oom": FAIL_COLOR, "error": FAIL_COLOR, "interrupted": "#c77c02"}
 
 BOX = ("font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;font-size:13px;line-height:1.45;"
        "max-width:860px")
@@ -24,8 +32,10 @@ BAR = ("display:flex;width:100%;height:18px;border:1px solid rgba(128,128,128,.6
        "overflow:hidden;box-sizing:border-box;margin:3px 0")
 TABLE = "border-collapse:collapse;margin:4px 0 6px 0;font-size:12.5px"
 TH = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.5);font-weight:600"
-TD = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.18)"
-NUM = ";text-align:right;font-variant-numeric:tabular-nums"
+# a long word (a line of code, a path) may break anywhere so that a table fits a narrow output; figures
+# (NUM) never wrap
+TD = "text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid rgba(128,128,128,.18);overflow-wrap:anywhere"
+NUM = ";text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap"   # figures never wrap
 CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:rgba(128,128,128,.15);"
         "padding:1px 5px;border-radius:3px")
 MUTED = "opacity:.72"

@@ -86,15 +86,23 @@ def gauge_html(r) -> str:
 # ---- where it is drawn -----------------------------------------------------------------------------
 
 class WidgetView:
-    """The gauge as an ipywidgets HTML (already displayed: on its own, or inside a guard's widget)."""
+    """The gauge as an ipywidgets HTML (already displayed: on its own, or inside a guard's widget). On its
+    own, `handle` is its output's display handle and `view` the output's widget-view item: each redraw
+    also updates the output's text/html and text/plain, so that a saved notebook (nbconvert, GitHub,
+    reopened without the widget state) shows the last reading, not a placeholder."""
 
-    def __init__(self, html_widget):
+    def __init__(self, html_widget, handle=None, view: dict | None = None):
         self.widget = html_widget
+        self.handle = handle
+        self.view = view or {}
 
     def show(self, reading) -> None:
-        self.widget.value = gauge_html(reading)
+        html = gauge_html(reading)
+        self.widget.value = html
         if self.widget.layout.display == "none":
             self.widget.layout.display = None
+        if self.handle is not None:
+            self.handle.update({**self.view, "text/html": html, "text/plain": gauge_text(reading)}, raw=True)
 
     def hide(self) -> None:
         self.widget.layout.display = "none"
@@ -118,7 +126,7 @@ def own_view():
     """A gauge in an output of its own (`%gpumem --live`): a widget where ipywidgets is, else a handle."""
     if display_form() == "widget":
         try:
-            from cuda_magic.display.widget import ipywidgets
+            from cuda_magic.display.widget import WIDGET_MIME, ipywidgets
 
             widgets = ipywidgets()
         except ImportError:
@@ -126,10 +134,10 @@ def own_view():
         else:
             w = widgets.HTML(value="")
             w.add_class("cuda-magic-gauge-widget")
-            publish({"application/vnd.jupyter.widget-view+json":
-                     {"model_id": w.model_id, "version_major": 2, "version_minor": 0},
-                     "text/plain": "[live] the gauge shows here while the kernel runs"})
-            return WidgetView(w)
+            view = {WIDGET_MIME: {"model_id": w.model_id, "version_major": 2, "version_minor": 0}}
+            handle = publish({**view, "text/plain": "[live] the gauge shows here while the kernel runs"},
+                             display_id=True)
+            return WidgetView(w, handle, view)
     handle = publish({"text/plain": "[live] the gauge shows here while the kernel runs"}, display_id=True)
     return HandleView(handle, lambda r: {"text/html": gauge_html(r), "text/plain": gauge_text(r)})
 

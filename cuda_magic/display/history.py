@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from cuda_magic.display import html as H
 from cuda_magic.display import text as T
-from cuda_magic.display.chart import Chart, Series, sparkline, svg
+from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
+from cuda_magic.display.elements import CAP_COLOR, COLORS, FAIL_COLOR, PEAK_COLOR
 from cuda_magic.units import format_bytes
 
 MAX_TICKS = 12
-AFTER_COLOR = "#1f5fbf"
-PEAK_COLOR = "#c62828"
+AFTER_COLOR = COLORS["torch_allocated"]      # the level of allocated memory, as in the device bars
+OOM_LABEL = "ran out of memory"
 
 
 def _points(records, attr: str) -> list[tuple[float, int]]:
@@ -37,8 +38,22 @@ def history_chart(records) -> Chart | None:
               Series("peak during the cell" + (" (~ approximate)" if approx else ""), peak, color=PEAK_COLOR,
                      step=False, dashed=True)]
     cells = sorted({r.cell for r in records})
-    return Chart(series=[s for s in series if s.points], x_label="cell", x_ticks=_ticks(cells),
-                 title=f"Memory per cell on {records[0].device}")
+    return Chart(series=[s for s in series if s.points], markers=history_markers(records), x_label="cell",
+                 x_ticks=_ticks(cells), title=f"Memory per cell on {records[0].device}")
+
+
+def history_markers(records) -> list[Marker]:
+    """The device's capacity as a line where the records know it (the last one they give), and a red
+    point at each cell that ran out of memory, at its peak (or what it left allocated)."""
+    markers = []
+    capacity = next((r.capacity for r in reversed(records) if r.capacity), None)
+    if capacity:
+        markers.append(Marker(f"capacity {format_bytes(capacity)}", capacity, color=CAP_COLOR))
+    for r in records:
+        y = r.peak if r.peak is not None else r.allocated_after
+        if r.outcome == "oom" and y is not None:
+            markers.append(Marker(OOM_LABEL, y, x=float(r.cell), color=FAIL_COLOR))
+    return markers
 
 
 def by_device(records) -> list[list]:

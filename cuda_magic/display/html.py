@@ -9,9 +9,11 @@ from __future__ import annotations
 from html import escape
 
 from cuda_magic.devices.readings import PARTS
-from cuda_magic.display.blackbox_view import blackbox_html as box_html
+from cuda_magic.display import answer as A
+from cuda_magic.display.blackbox_view import blackbox_html as box_html, by_line_html, by_line_title, timeline_html
 from cuda_magic.display.elements import BAR, CODE, COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box, html_table
 from cuda_magic.display.layout import approximate_note, kind_segments, shown_kinds
+from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.units import format_bytes, format_duration
 from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, MAX_ADVICE, bar_segments, bar_total,
@@ -77,8 +79,8 @@ def tensors_html(snap) -> str:
         return "<div>No live tensors found.</div>" if count == 0 else ""
     head = f"<div><b>Top {len(shown)} tensors</b> <span style=\"{MUTED}\">of {len(shown) + count} storages</span></div>"
     more = f'<div style="{MUTED}">+{count} more ({format_bytes(nbytes)})</div>' if count else ""
-    table = html_table(["names", "shape", "dtype", "device", "size", "grad_fn"], tensor_rows(shown), {4},
-                       cls="cuda-magic-tensors")
+    table = html_table(["names", "shape", "dtype", "device", "size", "grad_fn"],
+                       tensor_rows(folded_graphs(shown)), {4}, cls="cuda-magic-tensors")
     return head + table + more
 
 
@@ -91,14 +93,14 @@ def processes_html(processes) -> str:
             + html_table(["device", "pid", "user", "name", "memory", ""], rows, {1, 4}, cls="cuda-magic-processes"))
 
 
-KIND_COLORS = {
-    "parameters": "#3b6fd0",
-    "gradients": "#e39b2d",
-    "optimizer_state": "#8e5cc4",
-    "activations": "#d0473f",
-    "other": "#7c8a8f",
-    IN_FAILING_OP: "#f0a090",
-    UNSEEN: "#c9c9c9",
+KIND_COLORS = {                    # marks like elements.COLORS: 3:1 on white and #111111, none shared with it
+    "parameters": "#1a9494",       # teal
+    "gradients": "#b58900",        # gold
+    "optimizer_state": "#c2459b",  # magenta
+    "activations": "#a0703c",      # brown
+    "other": "#6f8796",            # slate
+    IN_FAILING_OP: "#e05a6a",      # coral
+    UNSEEN: "#909080",             # khaki grey
 }
 
 
@@ -174,7 +176,9 @@ def level_bar(value: int | None, capacity: int | None, color: str) -> str:
             f'<div style="width:{round(100.0 - filled, 3)}%;background:{COLORS["free"]};height:100%"></div></div>')
 
 
-def guard_devices_html(report) -> str:
+def guard_devices_html(report, running: bool = False) -> str:
+    """Before, peak and after per device, as bars against the capacity; while the cell runs, before only
+    (the live gauge shows the rest)."""
     before = {d.key: d for d in report.before}
     after = {d.key: d for d in report.after}
     keys = list(before) + [k for k in after if k not in before]
@@ -186,6 +190,8 @@ def guard_devices_html(report) -> str:
         for label, value, color in (("before", in_use(b) if b else None, COLORS["torch_allocated"]),
                                     ("peak", report.peaks.get(key), PEAK_COLOR),
                                     ("after", in_use(a) if a else None, COLORS["torch_allocated"])):
+            if running and label != "before":
+                continue
             rows.append(
                 f'<div style="display:flex;align-items:center;gap:8px">'
                 f'<span style="width:44px">{label}</span>'
@@ -208,8 +214,8 @@ def attempts_html(report) -> str:
     for row, pair in zip(rows, shown):
         if isinstance(pair, int):
             continue
-        color = OUTCOME_COLORS.get(pair[1].outcome, "inherit")
-        row[col] = f'<span style="color:{color};font-weight:600">{escape(row[col])}</span>'
+        color = OUTCOME_COLORS.get(pair[1].outcome, "currentColor")
+        row[col] = f'<span style="color:{color}">●</span> {escape(row[col])}'
     table = html_table(attempt_headers(report.variable), rows, {0, col + 1, col + 2},
                        cls="cuda-magic-attempts-table", raw={col})
     return '<div style="margin-top:6px"><b>Attempts</b></div>' + table
@@ -230,13 +236,14 @@ def diagnosis_html(report) -> str:
         items = oom_items(report.oom)
         out.append(f"<div><b>{escape(oom_title(report.oom))}</b></div>")
         if items:
-            out.append(html_table([k for k, _ in items], [[format_bytes(v) for _, v in items]],
-                                  set(range(len(items))), cls="cuda-magic-oom"))
+            # one figure a row: eight columns side by side do not fit a narrow output
+            out.append(html_table(["figure", "size"], [[k, format_bytes(v)] for k, v in items], {1},
+                                  cls="cuda-magic-oom"))
     if report.by_kind:
         out.append(kinds_html(report.device, report.by_kind, title="At the failure, by kind"))
     diag = report.diagnosis
     if diag is not None:
-        out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {escape(diag.summary)}</div>')
+        out.append(f'<div style="margin-top:4px"><b>Diagnosis:</b> {rich(diag.summary)}</div>')
         if report.holders_shown:
             held = ", ".join(
                 f'<code style="{CODE}">{escape(h.description)}</code> {format_bytes(h.bytes)}'
@@ -246,7 +253,7 @@ def diagnosis_html(report) -> str:
             out.append(f"<div>Kept alive by names: {held}{more}</div>")
         if diag.advice:
             items = "".join(
-                f'<li style="margin:2px 0">{escape(a.text)}'
+                f'<li style="margin:2px 0">{rich(a.text)}'
                 + (_code_html(a.code) if a.code else "") + "</li>"
                 for a in diag.advice[:MAX_ADVICE])
             out.append(f'<div style="margin-top:4px"><b>Try, most useful first:</b></div>'
@@ -263,38 +270,92 @@ def _code_html(code: str) -> str:
 
 
 def reclaimed_html(report) -> str:
-    return f'<div style="color:{OUTCOME_COLORS["ok"]};font-weight:600">{escape(reclaimed_words(report))}</div>'
+    return (f'<div style="font-weight:600"><span style="color:{OUTCOME_COLORS["ok"]}">✔</span> '
+            f'{escape(reclaimed_words(report))}</div>')
 
 
-def guard_title_html(report, running: bool = False) -> str:
-    color = "inherit" if running else OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome,
-                                                         "inherit")
-    words = value_words(report)
+def rich(text: str) -> str:
+    """Words with `code` in backticks: escaped, the backticked parts as <code>."""
+    parts = escape(text).split("`")
+    if len(parts) % 2 == 0:                      # an odd backtick: leave them all as they are
+        return escape(text)
+    return "".join(f'<code style="{CODE}">{p}</code>' if i % 2 else p for i, p in enumerate(parts))
+
+
+def guard_title_html(report, running: bool = False, trying=None) -> str:
+    mark = "rgba(128,128,128,.6)" if running else OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome,
+                                                                                    "currentColor")
+    words = value_words(report) if not running or not trying else None
     limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
     sub = f'<div>{escape(words)}</div>' if words else ""
     why = value_reason(report)
-    if why and not running:
+    if why and not running and not A.folds(report):
         sub += f'<div style="{MUTED}">{escape(why)}</div>'
-    return f'<div style="font-weight:600;color:{color}">{escape(guard_title(report, running))}{limit}</div>{sub}'
+    head = rich(A.headline(report, running, trying))
+    # the words in the page's own colour (contrast in every theme); the outcome's colour on the bar beside them
+    return (f'<div class="cuda-magic-headline" style="font-weight:600;border-left:4px solid {mark};'
+            f'padding-left:6px">{head}{limit}</div>{sub}')
+
+
+def answer_html(report) -> str:
+    """The cause in one sentence and the things to do, the first with its line to paste."""
+    out = []
+    reason = A.cause(report)
+    if reason:
+        out.append(f'<div style="margin-top:4px"><b>Cause:</b> {rich(reason)}</div>')
+    for i, step in enumerate(A.steps(report)):
+        if i == 0:
+            out.append(f'<div style="margin-top:4px"><b>Do this:</b> {rich(step.text)}'
+                       + (_code_html(step.code) if step.code else "") + "</div>")
+        else:
+            code = (f' <code style="{CODE}">{escape(step.code.splitlines()[0])}</code>' if step.code else "")
+            out.append(f"<div>Or: {rich(step.label)}{code}</div>")
+    return "".join(out)
+
+
+def details_html(report, full: bool = False) -> str:
+    """Everything the answer leaves out, folded in <details> (no script: it opens in every front end)."""
+    why = value_reason(report)
+    inner = [guard_devices_html(report), attempts_html(report),
+             f'<div style="{MUTED}">{escape(why)}</div>' if why else "", diagnosis_html(report)]
+    bb = report.blackbox
+    if report.show_blackbox and bb is not None and len(bb.by_line) > A.TOP_LINES:
+        inner.append(f"<div><b>{escape(by_line_title(bb))}</b></div>" + by_line_html(bb))
+    if report.show_reclaimed:
+        inner.append(reclaimed_html(report))
+    return (f'<details class="cuda-magic-details" style="margin-top:6px"{" open" if full else ""}>'
+            f'<summary style="cursor:pointer">{escape(A.details_label(report))}</summary>'
+            f'<div style="padding-left:12px">{"".join(inner)}</div></details>')
 
 
 def notes_html(report) -> str:
     """What a rollback could not undo, and the warnings."""
-    return "".join([f'<div style="color:#a15c00">not undone: {escape(w)}</div>' for w in report.not_undone]
-                   + [f'<div style="color:#a15c00">warning: {escape(w)}</div>' for w in report.warnings_shown])
+    sign = f'<span style="color:{OUTCOME_COLORS["interrupted"]}">⚠</span>'
+    return "".join([f"<div>{sign} not undone: {escape(w)}</div>" for w in report.not_undone]
+                   + [f"<div>{sign} warning: {escape(w)}</div>" for w in report.warnings_shown])
 
 
 def blackbox_html(report, running: bool = False) -> str:
-    """The report's black box (display/blackbox_view.py), where the report says to show it."""
-    return box_html(report.blackbox) if report.show_blackbox and not running else ""
+    """The report's black box (display/blackbox_view.py), where the report says to show it: after an OOM
+    its chart and first lines (the headline names the failing line), else all of it."""
+    if not report.show_blackbox or running:
+        return ""
+    if A.folds(report):
+        return box(timeline_html(report.blackbox, rows=A.TOP_LINES, failing=False), "cuda-magic-blackbox")
+    return box_html(report.blackbox)
 
 
-def guard_html(report, running: bool = False) -> str:
-    parts = [guard_title_html(report, running), guard_devices_html(report), attempts_html(report),
-             blackbox_html(report, running), diagnosis_html(report)]
-    if report.show_reclaimed and not running:
-        parts.append(reclaimed_html(report))
-    parts.append(notes_html(report))
+def guard_html(report, running: bool = False, *, full: bool = False, trying=None) -> str:
+    title = guard_title_html(report, running, trying)
+    if not A.folds(report, running):
+        parts = [title, guard_devices_html(report, running), attempts_html(report), blackbox_html(report, running),
+                 diagnosis_html(report)]
+        if report.show_reclaimed and not running:
+            parts.append(reclaimed_html(report))
+        parts.append(notes_html(report))
+        return box("".join(parts), "cuda-magic-guard")
+    parts = [title, f'<div class="cuda-magic-diagnosis">{answer_html(report)}</div>', blackbox_html(report),
+             notes_html(report), details_html(report, full)]
     return box("".join(parts), "cuda-magic-guard")
 
 
@@ -315,7 +376,10 @@ def release_html(r) -> str:
             parts.append(f"<div>{would if r.dry_run else done}: {listed}</div>")
     if r.still_held:
         parts.append("<div><b>Still holding device memory</b> (largest first)</div>")
-        parts.append(html_table(["variable", "size"], [[n, format_bytes(b)] for n, b in r.still_held], {1}))
+        rows = [[n, format_bytes(b)] for n, b in r.still_held]
+        if len(r.still_held) > 1:     # the rows add up to it: names that share memory have a row of their own
+            rows.append(["total (each storage once)", format_bytes(sum(b for _, b in r.still_held))])
+        parts.append(html_table(["variable", "size"], rows, {1}))
     parts += [f'<div style="{MUTED}">note: {escape(n)}</div>' for n in r.notes]
     return box("".join(parts), "cuda-magic-release")
 
@@ -330,7 +394,7 @@ def history_html(records, chart: str = "") -> str:
     """The --watch records as a table, under `chart` (an SVG of them, display.history) when given."""
     if not records:
         return box("<div>No cells recorded: turn recording on with <code>%gpumem --watch</code>.</div>")
-    table = html_table(["cell", "device", "allocated", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
+    table = html_table(["cell", "device", "allocated change", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
     note = approximate_note(records)
     approx = f'<div style="{MUTED}">{escape(note)}</div>' if note else ""
     chart = f'<div class="cuda-magic-history-chart">{chart}</div>' if chart else ""

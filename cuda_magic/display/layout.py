@@ -102,6 +102,38 @@ def tensor_name(t) -> str:
     return names + f" (+{unnamed_views} more views)"
 
 
+def folded_graphs(records) -> list:
+    """The tensor table's rows: storages that look the same (the same names, all of them a graph's, as
+    `losses[0] (its graph)`, the same shape, dtype and device: two activations one logged loss keeps) are
+    one row with their bytes added up and how many they are, not the same line twice. Largest first."""
+    from dataclasses import replace
+
+    from cuda_magic.memory.census import GRAPH_SUFFIX
+
+    rows, folded = [], {}
+    for t in records:
+        if not t.names or not all(n.endswith(GRAPH_SUFFIX) for n in t.names):
+            rows.append(t)
+            continue
+        look = (tuple(t.names), tuple(t.shape), t.dtype, t.device)
+        if look not in folded:
+            folded[look] = [len(rows), 0]
+            rows.append(t)
+        at = folded[look]
+        at[1] += 1
+        if at[1] > 1:
+            first = rows[at[0]]
+            rows[at[0]] = replace(first, nbytes=first.nbytes + t.nbytes, views=first.views + t.views,
+                                  grad_fn=first.grad_fn or t.grad_fn)
+    for (names, *_), (i, n) in folded.items():
+        if n > 1:
+            owners = ", ".join(name.removesuffix(GRAPH_SUFFIX) for name in names)
+            rows[i] = replace(rows[i], names=[f"{owners} ({'its graph' if len(names) == 1 else 'their graphs'}: "
+                                              f"{n} storages)"])
+    rows.sort(key=lambda r: -r.nbytes)      # still largest first
+    return rows
+
+
 def short_dtype(dtype: str) -> str:
     return str(dtype).removeprefix("torch.")
 

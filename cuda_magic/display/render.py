@@ -9,5 +9,9 @@ def render(obj, form: str) -> str | None:
         from cuda_magic.display.text import guard_line
 
         return guard_line(obj)
+    if form == "full":                  # a guard report with its folded part (print(report))
+        from cuda_magic.display.text import guard_text
+
+        return guard_text(obj, full=True)
     text, html, _ = forms_of(obj)
     return text() if form == "text" else html()

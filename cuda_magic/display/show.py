@@ -107,6 +107,18 @@ def show(obj, *, quiet: bool = False, form: str | None = None):
     return None
 
 
+def show_full(report, *, form: str | None = None) -> None:
+    """A guard report in full: the answer, then the part the report folds, open (`%oomguard last`)."""
+    from cuda_magic.display.html import guard_html
+    from cuda_magic.display.text import guard_text
+
+    form = form or display_form()
+    if form in ("widget", "html") and current_shell() is not None:
+        publish({"text/html": guard_html(report, full=True), "text/plain": guard_text(report, full=True)})
+        return
+    print(guard_text(report, full=True))
+
+
 class GuardHandle:
     """What show_guard returns: shows each attempt as it happens, then the final report."""
 
@@ -117,6 +129,7 @@ class GuardHandle:
         self.attempts = list(report.attempts)
         self.widget = None
         self.display = None
+        self.trying = None           # (value, accumulation) a retry is about to run
         self.gauge = None            # a display.gauge.LiveGauge while the cell runs, if one was started
         if quiet:
             return
@@ -140,11 +153,25 @@ class GuardHandle:
         return replace(self.report, attempts=list(self.attempts))
 
     @staticmethod
-    def html_bundle(report, running: bool = False) -> dict:
+    def html_bundle(report, running: bool = False, trying=None) -> dict:
         from cuda_magic.display.html import guard_html
         from cuda_magic.display.text import guard_text
 
-        return {"text/html": guard_html(report, running), "text/plain": guard_text(report, running)}
+        return {"text/html": guard_html(report, running, trying=trying),
+                "text/plain": guard_text(report, running, trying=trying)}
+
+    def try_value(self, value, accumulate=None) -> None:
+        """A retry is about to run the cell at `value` (and `accumulate`): the header says so at once."""
+        self.trying = (value, accumulate)
+        last = self.attempts[-1] if self.attempts else None
+        if last is not None and last.outcome == "ok" and not last.probe and last.value == value:
+            return      # the retry sets the value that fitted, to keep it (recover/retrying.py): no attempt follows
+        if self.quiet:
+            return
+        if self.form == "widget":
+            self.widget.try_value(value, accumulate, report=self.report)   # the live report: its retry is set
+        elif self.form == "html":
+            self.display.update(self.html_bundle(self.running(), running=True, trying=self.trying), raw=True)
 
     def add_attempt(self, attempt) -> None:
         """One attempt has finished: show it now."""
@@ -152,9 +179,11 @@ class GuardHandle:
         if self.quiet:
             return
         if self.form == "widget":
-            self.widget.add_attempt(attempt)        # the live view updates; the fallback forms at finish
+            # the live view updates (from the live report, whose retry the widget's copy lacks); the fallback
+            # forms at finish
+            self.widget.add_attempt(attempt, report=self.report)
         elif self.form == "html":
-            self.display.update(self.html_bundle(self.running(), running=True), raw=True)
+            self.display.update(self.html_bundle(self.running(), running=True, trying=self.trying), raw=True)
         elif self.report.variable:
             from cuda_magic.display.text import attempt_line
 

@@ -14,7 +14,9 @@ from cuda_magic.display.layout import (UNKNOWN, BAR_PARTS, BAR_LABELS, OUTCOME_W
                                        guard_title, value_words, value_reason, reclaimed_words, attempt_rows,
                                        attempt_headers)
 from cuda_magic.display.layout import KIND_BAR_WIDTH, approximate_note, kind_segments, shown_kinds
+from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
+from cuda_magic.display import answer as A
 from cuda_magic.display.blackbox_view import timeline_text
 from cuda_magic.display.elements import shorten, table, wrap_items
 from cuda_magic.units import format_bytes, format_duration
@@ -24,6 +26,10 @@ BAR_SYMBOLS = {
     "other_processes": "@", "free": ".", UNKNOWN: "?",
 }
 BAR_WIDTH = 50
+
+
+def _wrap(text: str, width: int = 100, **kw) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False, **kw)
 
 
 def guard_line(report) -> str:
@@ -73,7 +79,7 @@ def tensors_text(snap) -> list[str]:
     total = len(shown) + count
     lines = [f"Top {len(shown)} tensors (of {total} storages, largest first)"]
     rows = [[shorten(tensor_name(t), 40), shape_text(t.shape), short_dtype(t.dtype), t.device,
-             format_bytes(t.nbytes), "yes" if t.grad_fn else ""] for t in shown]
+             format_bytes(t.nbytes), "yes" if t.grad_fn else ""] for t in folded_graphs(shown)]
     lines += table(["names", "shape", "dtype", "device", "size", "grad_fn"], rows, right={4})
     if count:
         lines.append(f"  +{count} more ({format_bytes(nbytes)})")
@@ -183,21 +189,76 @@ def attempt_line(attempt, number: int, variable: str | None) -> str:
     return f"[oomguard] attempt {number}:{value} -> {outcome} ({', '.join(extra)})"
 
 
-def guard_text(report, running: bool = False) -> str:
-    lines = [guard_title(report, running)]
+def guard_text(report, running: bool = False, *, full: bool = False, trying=None) -> str:
+    """The report as text. After an OOM it leads with the answer (display/answer.py) and ends with how to
+    see the rest; `full` (`%oomguard last`, `print(report)`) adds the rest."""
+    lines = _wrap(A.headline(report, running, trying), 100, subsequent_indent="  ")
+    if not A.folds(report, running):
+        if report.limit is not None:
+            lines.append(f"limit: {format_bytes(report.limit)}")
+        lines += guard_devices_text(report)
+        lines += _attempts_text(report) + _value_text(report, running)
+        lines += _notes_text(report)
+        if report.show_blackbox and not running:
+            lines.append(timeline_text(report.blackbox))
+        if report.show_reclaimed and not running:
+            lines.append(reclaimed_words(report))
+        return "\n".join(lines)
+    lines += _value_text(report, running=True)
+    reason = A.cause(report)
+    if reason:
+        lines += _wrap(f"Cause: {reason}", 100, subsequent_indent="  ")
+    for i, step in enumerate(A.steps(report)):
+        if i == 0:
+            lines += _wrap(f"Do this: {step.text}", 100, subsequent_indent="  ")
+            lines += [f"    {c}" for c in (step.code or "").splitlines()[:3]]
+        else:
+            lines.append(f"Or: {step.label}" + (f": {step.code.splitlines()[0]}" if step.code else ""))
+    if report.show_blackbox:
+        lines.append(timeline_text(report.blackbox, rows=A.TOP_LINES, failing=False))
+    lines += _notes_text(report)
+    if not full:
+        lines.append(A.more_words(report))
+        return "\n".join(lines)
+    lines.append("-- details --")
     if report.limit is not None:
         lines.append(f"limit: {format_bytes(report.limit)}")
-    lines += guard_devices_text(report)
-    if report.show_attempts:
-        rows = attempt_rows(report.attempts_shown, report.variable)
-        lines.append("Attempts")
-        lines += table(attempt_headers(report.variable), rows, right={0, len(rows[0]) - 2, len(rows[0]) - 1})
+    lines += guard_devices_text(report) + _attempts_text(report)
+    why = value_reason(report)
+    if why:
+        lines += _wrap(why, 100, subsequent_indent="  ")
+    lines += _failure_text(report)
+    if report.show_blackbox and len(report.blackbox.by_line) > A.TOP_LINES:
+        lines.append(timeline_text(report.blackbox))
+    lines += _diagnosis_text(report)
+    if report.show_reclaimed:
+        lines.append(reclaimed_words(report))
+    return "\n".join(lines)
+
+
+def _attempts_text(report) -> list[str]:
+    if not report.show_attempts:
+        return []
+    rows = attempt_rows(report.attempts_shown, report.variable)
+    return ["Attempts"] + table(attempt_headers(report.variable), rows,
+                                right={0, len(rows[0]) - 2, len(rows[0]) - 1})
+
+
+def _value_text(report, running: bool) -> list[str]:
     words = value_words(report)
-    if words:
-        lines.append(words)
+    lines = [words] if words else []
     why = value_reason(report)
     if why and not running:
-        lines += textwrap.wrap(why, 100, subsequent_indent="  ")
+        lines += _wrap(why, 100, subsequent_indent="  ")
+    return lines
+
+
+def _notes_text(report) -> list[str]:
+    return [f"not undone: {w}" for w in report.not_undone] + [f"warning: {w}" for w in report.warnings_shown]
+
+
+def _failure_text(report) -> list[str]:
+    lines = []
     if report.failure is not None:
         f = report.failure
         inside = f" (inside {f.function}" + (f" in {f.filename}" if f.filename else "") + ")" if f.function else ""
@@ -211,26 +272,25 @@ def guard_text(report, running: bool = False) -> str:
         lines += wrap_items(oom_title(report.oom) + (":" if items else ""), items)
     if report.by_kind:
         lines += kinds_text(report.device, report.by_kind, title="At the failure, by kind")
-    if report.show_blackbox and not running:
-        lines.append(timeline_text(report.blackbox))
+    return lines
+
+
+def _diagnosis_text(report) -> list[str]:
     diag = report.diagnosis
-    if diag is not None:
-        lines += textwrap.wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")
-        if report.holders_shown:
-            held = ", ".join(holder_words(h) for h in report.holders_shown)
-            more = f" and {report.holders_hidden} smaller" if report.holders_hidden else ""
-            lines += textwrap.wrap(f"  kept alive by names: {held}{more}", 100, subsequent_indent="    ")
-        if diag.advice:
-            lines.append("Try, most useful first:")
-            for i, adv in enumerate(diag.advice[:MAX_ADVICE], 1):
-                lines.append(f"  {i}. {adv.text}")
-                if adv.code:
-                    lines += [f"       {c}" for c in adv.code.splitlines()[:3]]
-    if report.show_reclaimed and not running:
-        lines.append(reclaimed_words(report))
-    lines += [f"not undone: {w}" for w in report.not_undone]
-    lines += [f"warning: {w}" for w in report.warnings_shown]
-    return "\n".join(lines)
+    if diag is None:
+        return []
+    lines = _wrap(f"Diagnosis: {diag.summary}", 100, subsequent_indent="  ")
+    if report.holders_shown:
+        held = ", ".join(holder_words(h) for h in report.holders_shown)
+        more = f" and {report.holders_hidden} smaller" if report.holders_hidden else ""
+        lines += _wrap(f"  kept alive by names: {held}{more}", 100, subsequent_indent="    ")
+    if diag.advice:
+        lines.append("Try, most useful first:")
+        for i, adv in enumerate(diag.advice[:MAX_ADVICE], 1):
+            lines += _wrap(f"  {i}. {adv.text}", 100, subsequent_indent="     ")
+            if adv.code:
+                lines += [f"       {c}" for c in adv.code.splitlines()[:3]]
+    return lines
 
 
 def release_text(r) -> str:
@@ -247,10 +307,12 @@ def release_text(r) -> str:
     if r.still_held:
         lines.append("Still holding device memory (largest first):")
         rows = [[name, format_bytes(b)] for name, b in r.still_held[:15]]
-        lines += table(["variable", "size"], rows, right={1})
         if len(r.still_held) > 15:
             rest = r.still_held[15:]
-            lines.append(f"  +{len(rest)} more ({format_bytes(sum(b for _, b in rest))})")
+            rows.append([f"+{len(rest)} more", format_bytes(sum(b for _, b in rest))])
+        if len(r.still_held) > 1:     # the rows add up to it: names that share memory have a row of their own
+            rows.append(["total (each storage once)", format_bytes(sum(b for _, b in r.still_held))])
+        lines += table(["variable", "size"], rows, right={1})
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -262,7 +324,7 @@ def history_text(records) -> str:
              ("" if r.peak_exact or r.peak is None else "~") + format_bytes(r.peak),
              format_duration(r.duration)] for r in records]
     lines = ["Per-cell memory (%gpumem --watch)"]
-    lines += table(["cell", "device", "allocated", "peak", "duration"], rows, right={0, 2, 3, 4})
+    lines += table(["cell", "device", "allocated change", "peak", "duration"], rows, right={0, 2, 3, 4})
     note = approximate_note(records)
     if note:
         lines.append(note)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from html import escape
 
+from cuda_magic.display import answer as A
 from cuda_magic.display import html as H
 from cuda_magic.display.elements import BOX, COLORS, MUTED
 from cuda_magic.display import layout as L
@@ -164,12 +165,15 @@ class GuardWidget(RecordWidget):
         self.blackbox = with_classes(widgets.HTML(), "cuda-magic-blackbox")
         self.reclaimed = with_classes(widgets.HTML(), "cuda-magic-reclaimed")
         self.warnings = widgets.HTML()
+        self.details = with_classes(widgets.HTML(), "cuda-magic-details-widget")
+        self.trying = None              # (value, accumulation) being tried, while a retry runs
         # the live gauge (display.gauge) draws here while the cell runs; hidden until it first draws
         self.gauge = with_classes(widgets.HTML(layout=widgets.Layout(display="none")), "cuda-magic-gauge-widget")
         self.widget = with_classes(
-            widgets.VBox([self.title, self.levels, self.gauge, self.attempts, self.blackbox, self.diagnosis,
+            # after an OOM: the headline, the answer (in `diagnosis`), the black box, the folded rest
+            widgets.VBox([self.title, self.levels, self.gauge, self.attempts, self.diagnosis, self.blackbox,
                           self.reclaimed,
-                          self.warnings],
+                          self.warnings, self.details],
                          layout=widgets.Layout(max_width="860px")),
             "cuda-magic-widget")
         self.update(report, running)
@@ -179,23 +183,51 @@ class GuardWidget(RecordWidget):
         w.value = fragment(value)
         w.layout.display = None if value else "none"
 
-    def add_attempt(self, attempt) -> None:
-        """Show one more finished attempt (the report's own list is left alone)."""
+    def add_attempt(self, attempt, report=None) -> None:
+        """Show one more finished attempt (the report's own list is left alone), and the header with it
+        (in a retry, with the next attempt: try_value). `report`: the run's report as it now stands (a
+        retry sets its `retry` after the widget was built, and the attempts table and the value in the
+        header need it); default: the one shown so far."""
+        if report is not None:
+            self.report = report
         self.attempt_list.append(attempt)
-        self._show(self.attempts, H.attempts_html(self.current()))
+        current = self.current()
+        self._show(self.attempts, H.attempts_html(current))
+        # in a retry the header changes when the next attempt starts (try_value): until then its value is
+        # the finished attempt's, and "attempt N+1 at <that value>" would be wrong (for seconds: the undo
+        # and the measuring come first)
+        if self.trying is None:
+            self._show(self.title, H.guard_title_html(current, self.running, self.trying))
+
+    def try_value(self, value, accumulate=None, report=None) -> None:
+        """A retry is about to run the cell at `value`: the header says so (`report`: as add_attempt's)."""
+        if report is not None:
+            self.report = report
+        self.trying = (value, accumulate)
+        self._show(self.title, H.guard_title_html(self.current(), self.running, self.trying))
 
     def update(self, report, running: bool = False) -> None:
-        """Show the report as it now stands (while the cell runs, or once it is done)."""
+        """Show the report as it now stands (while the cell runs, or once it is done): after an OOM the
+        answer (display/answer.py) unfolded and the rest in `details`."""
         self.report = report
         self.running = running
         self.attempt_list = list(report.attempts)
-        self._show(self.title, H.guard_title_html(report, running))
-        self._show(self.levels, H.guard_devices_html(report))
-        self._show(self.attempts, H.attempts_html(report))
+        if not running:
+            self.trying = None
+        self._show(self.title, H.guard_title_html(report, running, self.trying))
         self._show(self.blackbox, H.blackbox_html(report, running))
+        self._show(self.warnings, H.notes_html(report))
+        if A.folds(report, running):
+            for w in (self.levels, self.attempts, self.reclaimed):
+                self._show(w, "")
+            self._show(self.diagnosis, H.answer_html(report))
+            self._show(self.details, H.details_html(report))
+            return
+        self._show(self.levels, H.guard_devices_html(report, running))
+        self._show(self.attempts, H.attempts_html(report))
         self._show(self.diagnosis, H.diagnosis_html(report))
         self._show(self.reclaimed, H.reclaimed_html(report) if report.show_reclaimed and not running else "")
-        self._show(self.warnings, H.notes_html(report))
+        self._show(self.details, "")
 
     def current(self):
         """The report with the attempts shown so far."""
@@ -204,10 +236,10 @@ class GuardWidget(RecordWidget):
         return replace(self.report, attempts=list(self.attempt_list))
 
     def text(self) -> str:
-        return T.guard_text(self.current(), self.running)
+        return T.guard_text(self.current(), self.running, trying=self.trying)
 
     def html(self) -> str:
-        return H.guard_html(self.current(), self.running)
+        return H.guard_html(self.current(), self.running, trying=self.trying)
 
 
 class WatchWidget(RecordWidget):
@@ -237,4 +269,7 @@ class WatchWidget(RecordWidget):
         return history_text(self.records)
 
     def html(self) -> str:
+        # one cell's record is the one line the widget shows, in a saved notebook too (not a table of one)
+        if len(self.records) == 1:
+            return H.watch_html(self.records[0])
         return history_html(self.records)

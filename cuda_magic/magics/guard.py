@@ -52,11 +52,13 @@ class GuardMagics(Magics):
             print("%oomguard is on: an out-of-memory error in any cell is cleaned up and explained."
                   if active else "%oomguard is off (`%oomguard on` guards every cell).")
             return None
+        if word == "last":
+            return self._last()
         if word not in ("on", "off"):
-            raise UsageError(f"%oomguard takes on or off, not {line.strip()!r} (use %%oomguard for one cell)")
+            raise UsageError(f"%oomguard takes on, off or last, not {line.strip()!r} (use %%oomguard for one cell)")
         if word == "on":
             if not active:
-                state.guard_all = GuardAll(self.shell)
+                state.guard_all = GuardAll(self.shell, state)
                 state.guard_all.start()
             print("%oomguard on: an out-of-memory error in any cell is now cleaned up and explained.")
         else:
@@ -64,6 +66,17 @@ class GuardMagics(Magics):
                 state.guard_all.stop()
             state.guard_all = None
             print("%oomguard off: IPython's usual error handling is back." if active else "%oomguard was not on.")
+        return None
+
+    def _last(self):
+        """`%oomguard last`: the last guarded cell's report in full (its folded part open)."""
+        from cuda_magic.display.show import show_full
+
+        report = self.cuda_magic_state.last_report
+        if report is None:
+            print("No guarded cell has run yet in this session: %oomguard last shows the last report in full.")
+            return None
+        show_full(report)
         return None
 
     # %%oomguard ----------------------------------------------------------------------------------
@@ -75,6 +88,7 @@ class GuardMagics(Magics):
         try:
             result = cell_run.run.run(cell_run.compiled)
         finally:
+            self.cuda_magic_state.last_report = cell_run.run.report
             cell_run.shown()
         return cell_run.outcome(result)
 
@@ -86,6 +100,7 @@ class GuardMagics(Magics):
         try:
             result = await cell_run.run.run_async(cell_run.compiled)
         finally:
+            self.cuda_magic_state.last_report = cell_run.run.report
             cell_run.shown()
         return cell_run.outcome(result)
 
@@ -120,6 +135,7 @@ class GuardMagics(Magics):
         run.start()                        # the device before, shown by the running view
         handle = show_guard(run.report, quiet=args.quiet)
         run.on_attempt = handle.add_attempt
+        run.on_trying = handle.try_value
         if not args.no_live:
             from cuda_magic.display.gauge import start_guard_gauge
 

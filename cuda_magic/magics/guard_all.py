@@ -13,8 +13,9 @@ import sys
 
 
 class GuardAll:
-    def __init__(self, shell):
+    def __init__(self, shell, state=None):
         self.shell = shell
+        self.state = state          # the extension's state: its last_report is `%oomguard last`'s
         self.active = False
         self._saved = None
         self.run = None             # the core's GuardedRun recording the running cell (recover/guarded.py)
@@ -119,6 +120,8 @@ class GuardAll:
             run = self._guarded(meter)
         result = run.end(value)
         self.last_report = result.report
+        if self.state is not None:
+            self.state.last_report = result.report
         show(result.report)
         error = result.short_error()
         del result

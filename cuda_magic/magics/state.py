@@ -13,6 +13,7 @@ class ExtensionState:
         self.guard_all = None               # guard_all.GuardAll while `%oomguard on`
         self.simulated = None               # the SimulatedDevice `%gpumem --simulate` started here
         self.live = None                    # display.gauge.LiveGauge while `%gpumem --live` is on
+        self.last_report = None             # the last guarded cell's GuardReport, for `%oomguard last`
 
     @property
     def history(self) -> list:

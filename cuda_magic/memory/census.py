@@ -288,6 +288,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         by_id[id(t)] = key
         if type(t) in ptypes:
             params.append(key)
+        graph = False                  # whether this tensor makes its storage's row carry a graph
         if t.requires_grad:
             grad_fn = t.grad_fn
             if grad_fn is None:
@@ -295,6 +296,9 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             else:
                 roots.append(grad_fn)
                 graph_keys.append(key)
+                # a view of a leaf (`w.T` of a parameter) has a grad_fn, but the storage is the leaf's
+                base = t._base
+                graph = base is None or not base.is_leaf
         rec = records.get(key)
         if rec is None:
             dtype, dev = t.dtype, t.device
@@ -305,10 +309,10 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             if dev_text is None:
                 dev_text = device_texts[dev] = str(dev)
             records[key] = TensorRecord(key, [], tuple(t.shape), dtype_text, dev_text,
-                                        int(storage.nbytes()), t.grad_fn is not None, 1)
+                                        int(storage.nbytes()), graph, 1)
         else:
             rec.views += 1
-            rec.grad_fn = rec.grad_fn or t.grad_fn is not None
+            rec.grad_fn = rec.grad_fn or graph
             if t._base is None:
                 rec.shape = tuple(t.shape)
     del tensors

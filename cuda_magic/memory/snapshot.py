@@ -138,6 +138,8 @@ class CellRecord:
     duration: float                          # seconds
     device: str                              # device key the figures are for
     allocated_after: int | None = None       # allocated bytes when the cell ended
+    capacity: int | None = None              # the device's capacity, where known
+    outcome: str | None = None               # 'ok', 'oom' (ran out of memory), 'error'; None: not known
 
     def as_row(self) -> dict:
         return {"cell": self.cell, "device": self.device, "allocated_delta": self.allocated_delta,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
+from cuda_magic.devices.errors import oom_error_class
+from cuda_magic.devices.gauge_reader import peak_reset
 from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.proc import ProcReader
 from cuda_magic.devices.simulated import active_device
@@ -64,19 +66,25 @@ class CellWatcher:
     def pre_run_cell(self, info=None) -> None:
         try:
             kind, dev = self._device()
+            # a live gauge reading the counter keeps the peak the reset takes away (gauge_reader)
             if kind == "sim":
+                peak_reset(dev.key, dev.peak)
                 dev.reset_peak()
                 before = dev.allocated
             elif kind == "cuda":
                 i = dev.cuda.current_device()
+                peak_reset(f"cuda:{i}", dev.cuda.max_memory_allocated(i))
                 dev.cuda.reset_peak_memory_stats(i)
                 before = dev.cuda.memory_allocated(i)
             elif kind in ("xpu", "mps"):
+                if kind == "xpu":    # MPS: this meter's own figure, not the one a gauge reads
+                    peak_reset(dev.key, dev.peak())
                 dev.reset_peak()
                 before = dev.allocated()
             else:
                 if self._proc is None:
                     self._proc = ProcReader()
+                peak_reset("cpu", self._proc.rss_and_peak()[1])
                 before = self._proc.start_cell()
             self._start = (kind, dev, before, time.perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on
@@ -117,7 +125,8 @@ class CellWatcher:
             delta = (after - before) if after is not None and before is not None else None
             record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
-                                device=key, allocated_after=after)
+                                device=key, allocated_after=after, capacity=_capacity(kind, dev),
+                                outcome=_outcome(result))
             self.records.append(record)
             if self.on_record is not None:
                 self.on_record(record)
@@ -147,6 +156,46 @@ def _gpu_meter():
 
         return MpsMeter()
     return None
+
+
+def _capacity(kind: str, dev) -> int | None:
+    """The capacity of the device a cell ran on, read from counters only (None for the CPU, or where the
+    backend cannot say)."""
+    try:
+        if kind == "sim":
+            return int(dev.capacity)
+        if kind == "cuda" or cuda_started():
+            torch = sys.modules["torch"]
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        if kind in ("xpu", "mps"):
+            from cuda_magic.devices.meter import capacity_of
+
+            return capacity_of(dev)
+    except Exception:
+        pass
+    return None
+
+
+def _outcome(result) -> str | None:
+    """'ok', 'oom' (torch's out-of-memory error, or one that says "out of memory", in the error's chain,
+    as a guard's short error after an OOM is) or 'error', from IPython's ExecutionResult; None without one."""
+    if result is None or not hasattr(result, "error_in_exec"):
+        return None
+    error = result.error_in_exec or getattr(result, "error_before_exec", None)
+    if error is None:
+        return "ok"
+    try:
+        torch = loaded_torch()
+        oom = oom_error_class(torch) if torch is not None else ()
+        for _ in range(10):                       # the chain, as far as it goes (a loop is cut short)
+            if error is None:
+                break
+            if isinstance(error, oom) or "out of memory" in str(error).lower():
+                return "oom"
+            error = error.__cause__ or error.__context__
+    except Exception:
+        pass
+    return "error"
 
 
 def _cell_number(shell, result, fallback: int) -> int:

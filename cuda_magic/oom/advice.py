@@ -89,6 +89,11 @@ def _batch(ctx):
         line = f"@oomguard(retry=\"{ctx.batch}\", accumulate=\"{ctx.accum}\")"
         return Advice(f"Use a smaller batch: `{line}` calls the function again with a smaller {ctx.batch} "
                       f"until it fits and raises {ctx.accum} so that the effective batch stays the same.", line)
+    if ctx.facts.batch_var and not ctx.facts.accum_var:    # the cell's batch is known; it accumulates nothing
+        line = f"%%oomguard -r {ctx.batch}"
+        return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx.batch} until it fits; "
+                      f"to keep the effective batch too, let the cell run ACCUM micro-batches per step and add "
+                      f"`-a ACCUM` (gradient accumulation, below).", line)
     line = f"%%oomguard -r {ctx.batch} -a {ctx.accum}"
     return Advice(f"Use a smaller batch: `{line}` reruns the cell with a smaller {ctx.batch} until it fits and raises "
                   f"{ctx.accum} so that the effective batch stays the same.", line)

@@ -63,3 +63,25 @@ def names_in(source: str) -> set[str]:
     except (SyntaxError, ValueError):      # magics inside a cell: the words still name things
         return set(re.findall(r"\b[A-Za-z_]\w*\b", source))
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+_BATCH_NAME = re.compile(r"(^|_)(bs|batch|batch_?size|micro_?batch|mbs|n_?batch)(_|$)|batch", re.I)
+_ACCUM_NAME = re.compile(r"accum|grad_?acc|(^|_)acc(_|$)", re.I)
+_SIZE_NAME = re.compile(r"(^|_)(n|num|size|len|length|seq|seq_?len|rows|samples|chunk)(_|$)", re.I)
+
+
+def batch_names(ints: dict[str, int], failing_line: str = "") -> tuple[str | None, str | None]:
+    """The cell's own names for its batch and its accumulation, from the integer names it reads
+    (`ints`, name -> value): a name that says so (`batch_size`, `bs`; `accum_steps`, `grad_acc`), else
+    for the batch one the failing line uses, else one that names a size. None where none fits, so that
+    advice is never pasted with a name the cell does not have."""
+    usable = {n: v for n, v in ints.items() if type(v) is int and v >= 1 and not n.startswith("_")}
+    accum = next((n for n in sorted(usable) if _ACCUM_NAME.search(n)), None)
+    rest = [n for n in sorted(usable, key=lambda n: (-usable[n], n)) if n != accum and usable[n] >= 2]
+    in_line = set(names_in(failing_line.strip())) if failing_line.strip() else set()
+    for ok in (lambda n: bool(_BATCH_NAME.search(n)), lambda n: n in in_line,
+               lambda n: bool(_SIZE_NAME.search(n))):
+        batch = next((n for n in rest if ok(n)), None)
+        if batch is not None:
+            return batch, accum
+    return None, accum

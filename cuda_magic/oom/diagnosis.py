@@ -198,7 +198,8 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
             causes.insert(0, first)
     causes = causes or ["unknown"]
     ctx = Context(fields, facts, capacity, limited, tuple(held), found, estimated, tuple(causes))
-    return Diagnosis(causes=causes, summary=_summary(ctx), advice=advise(ctx), holders=held)
+    summary, cause = _summary(ctx)
+    return Diagnosis(causes=causes, summary=summary, advice=advise(ctx), holders=held, cause=cause)
 
 
 def _as_holder(h) -> Holder:
@@ -246,7 +247,8 @@ def _where(fields: OomFields) -> str:
     return fields.device or {"mps": "mps", "simulated": "the simulated device"}.get(fields.backend, "the GPU")
 
 
-def _summary(ctx: Context) -> str:
+def _summary(ctx: Context) -> tuple[str, str]:
+    """The summary (the figures, then every cause) and the first cause alone, as one sentence."""
     f: OomFields = ctx.fields
     cap = ctx.capacity
     head = "Possibly out of memory" if f.possible else "Out of memory"
@@ -263,8 +265,9 @@ def _summary(ctx: Context) -> str:
     top = ctx.top_line
     if top is not None:              # the black box: the line that held the most at the failure
         nbytes, code, where = top
-        phrases[0] += f" ({format_bytes(nbytes)} was alive from `{code}` at {where})"
+        phrases[0] += f"; {format_bytes(nbytes)} was alive from `{code}` at {where}"
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
+    cause = second
     if len(phrases) > 1:
         second += "; also " + "; ".join(phrases[1:])
     if ctx.facts.independent:
@@ -272,7 +275,8 @@ def _summary(ctx: Context) -> str:
                 else "what the figures above name")
         second = (f"The cell's memory does not depend on {ctx.batch}: it failed on the same request at every "
                   f"value, and what fills the device is {what}. {second}")
-    return f"{first}. {second}."
+        cause = second
+    return f"{first}. {second}.", f"{cause}."
 
 
 def _phrase(cause: str, ctx: Context) -> str:

@@ -44,3 +44,4 @@ class Diagnosis:
     summary: str                          # one or two sentences for people
     advice: list[Advice] = field(default_factory=list)
     holders: list = field(default_factory=list)   # memory.holders.Holder: names worth naming, largest first
+    cause: str = ""                       # the first cause in one sentence: what the report leads with

@@ -39,7 +39,8 @@ class MissingNames(KeyError):
 # ----------------------------------------------------------------------------------- measurement
 
 def _device_usage() -> dict[str, int]:
-    """Bytes in use per device key, as the allocators see them (reserved, i.e. what the device lost)."""
+    """Bytes in use per device key, as the allocators see them (reserved, i.e. what the device lost). With
+    no GPU, the CPU's tensors, unless a simulated device stands in for the GPU: then only its count."""
     torch = loaded_torch()
     usage: dict[str, int] = {}
     if torch is None:
@@ -55,10 +56,11 @@ def _device_usage() -> dict[str, int]:
     mps = getattr(torch, "mps", None)
     if mps is not None and mps_available():
         usage["mps"] = mps.driver_allocated_memory()
-    if not has_gpu():
-        usage["cpu"] = cpu_tensor_bytes()
     sim = active_device()
+    if not has_gpu() and sim is None:
+        usage["cpu"] = cpu_tensor_bytes()
     if sim is not None:
+        # its tensors are CPU tensors: the same bytes are reported once, on the device the user meters
         usage[sim.key] = int(sim.allocated)
     return usage
 

@@ -47,6 +47,7 @@ class Failure:
     holders: tuple | None = None   # the names that held memory then (memory.holders.Holder), before undoing
     in_use: frozenset = frozenset()      # the namespace's names the failing cell used
     grown: frozenset = frozenset()       # the namespace's containers that grew during the run
+    ints: tuple = ()               # (name, value) of the integer names the failing cell reads: its batch
 
 
 def kind_of(exc: BaseException) -> Outcome:

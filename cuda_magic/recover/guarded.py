@@ -86,7 +86,7 @@ class AttemptResult:
     failure: Failure | None = None
 
 
-def _ignore(_):
+def _ignore(*_):
     return None
 
 
@@ -107,6 +107,7 @@ class GuardedRun:
         self.values, self.namespace, self.roots, self.shell = values, namespace, roots, shell
         self.on_attempt = on_attempt or _ignore
         self.on_note = on_note or _ignore
+        self.on_trying = _ignore        # on_trying(value, accumulation): a retry is about to run at value
         self.report = GuardReport(device=meter.key, limit=options.limit, source=options.source, api=options.api,
                                   timeline_requested=bool(options.timeline))
         self.recording = None           # devices/recording.py: the black box of this run
@@ -291,6 +292,7 @@ class GuardedRun:
         failure.holders = tuple(shared_holders(self.shell))
         used = names_in(failure.source)
         failure.in_use = frozenset(n for n, v in variables.items() if n in used or id(v) in failure.in_frames)
+        failure.ints = tuple((n, v) for n, v in variables.items() if n in used and type(v) is int)
         failure.grown = frozenset(n for n, (ident, length) in self._lengths.items()
                                   if id(variables.get(n)) == ident and _length(variables[n]) > length)
 
@@ -371,6 +373,7 @@ class GuardedRun:
         """The last failure's diagnosis, from what was true at that failure: its names, its frames, its
         black box (never what a later attempt or the retry's measuring left)."""
         from cuda_magic.devices.allocator_conf import current_allocator_conf
+        from cuda_magic.oom.cell_reading import batch_names
         from cuda_magic.oom.diagnosis import CellFacts, diagnose
         from cuda_magic.recover.cleanup import shared_holders
 
@@ -380,11 +383,15 @@ class GuardedRun:
         top = box.top if box is not None and box.at == "failure" else None
         holders = failure.holders if failure is not None and failure.holders is not None else shared_holders(self.shell)
         start = report.attempts[-1].start_allocated if report.attempts else None
+        batch_var, accum_var = report.variable, report.accumulate
+        if batch_var is None and failure is not None:     # the cell's own names, for a line to paste
+            batch_var, guessed_accum = batch_names(dict(failure.ints), failure.point.text if failure.point else "")
+            accum_var = accum_var or guessed_accum
         facts = CellFacts(
             holders=tuple(holders), amp=self.options.amp is not None,
             device_capacity=capacity_of(self.meter), peak=report.peaks.get(self.meter.key),
-            alloc_conf=current_allocator_conf(), limit=report.limit, batch_var=report.variable,
-            accum_var=report.accumulate, api=report.api,
+            alloc_conf=current_allocator_conf(), limit=report.limit, batch_var=batch_var,
+            accum_var=accum_var, api=report.api,
             inference=failed is not None and failed.grad_enabled is False,
             retried=report.outcome == Outcome.RECOVERED,
             top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None,

@@ -220,7 +220,7 @@ class GuardReport(Rendered):
         return render(self, "line")
 
     def __str__(self) -> str:
-        return render(self, "text")
+        return render(self, "full")
 
 
 @dataclass(repr=False)

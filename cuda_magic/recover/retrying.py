@@ -159,8 +159,11 @@ class RetryLoop:
 
         retry = self.retry
         self.values[retry.variable] = value
+        accumulate = None
         if retry.accumulate is not None:
-            self.values[retry.accumulate] = scale_accumulation(retry.original, retry.original_accumulate, value)
+            accumulate = scale_accumulation(retry.original, retry.original_accumulate, value)
+            self.values[retry.accumulate] = accumulate
+        self.guarded.on_trying(value, accumulate)
 
     def _restore_values(self) -> None:
         retry = self.retry

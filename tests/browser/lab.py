@@ -107,8 +107,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _write_settings(settings_dir: Path) -> None:
-    for rel_path, values in LAB_SETTINGS.items():
+THEME_SETTINGS = "@jupyterlab/apputils-extension/themes.jupyterlab-settings"
+
+
+def _write_settings(settings_dir: Path, theme: str | None = None) -> None:
+    """LAB_SETTINGS, and the theme ("JupyterLab Light", "JupyterLab Dark") when one is given."""
+    settings = dict(LAB_SETTINGS)
+    if theme is not None:
+        settings[THEME_SETTINGS] = {"theme": theme}
+    for rel_path, values in settings.items():
         path = settings_dir / rel_path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values, indent=2))
@@ -189,13 +196,13 @@ def jupyter_server(notebook: Path, command, *, name: str, server_class=LabServer
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def server(notebook: Path, *, startup_timeout_s: float = 90):
+def server(notebook: Path, *, startup_timeout_s: float = 90, theme: str | None = None):
     """Start JupyterLab with a copy of `notebook` in a temporary root directory (a context manager
-    yielding the LabServer)."""
+    yielding the LabServer); `theme`: the theme's name in the user settings (default: JupyterLab's)."""
 
     def command(server: LabServer, tmp: Path):
         settings_dir, workspaces_dir = tmp / "settings", tmp / "workspaces"
-        _write_settings(settings_dir)
+        _write_settings(settings_dir, theme)
         argv = [
             sys.executable, "-m", "jupyter", "lab",
             "--no-browser",

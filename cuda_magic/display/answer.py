@@ -1,0 +1,148 @@
+"""What a guard report leads with, in every form: the headline (what failed, where, asked against free,
+what came back), the cause in one sentence, and the first things to do as lines to paste. Everything
+else (the figures, the by-kind split, the whole diagnosis and advice, each attempt) is folded: `folds`
+says whether a report has a folded part. The text, HTML and widget forms draw these words; none of them
+decides them again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cuda_magic.display.blackbox_view import line_label
+from cuda_magic.display.elements import shorten
+from cuda_magic.display.layout import guard_title
+from cuda_magic.paths import is_cell_file
+from cuda_magic.units import format_bytes
+
+STEPS = 3                 # things to do shown unfolded: the first in full, the next ones as short lines
+TOP_LINES = 3             # rows of the black box's by-line table shown unfolded
+CODE_WIDTH = 70           # the failing line's code in the headline, at most
+MORE_TEXT = "%oomguard last"     # what the text form says shows the rest
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing to do: a short label, its full words, and the line (or lines) to paste, where there is one."""
+
+    label: str
+    text: str
+    code: str | None
+
+
+def folds(report, running: bool = False) -> bool:
+    """Whether the report has a folded part: an out-of-memory error was explained, and the run is over."""
+    return report.oom is not None and not running
+
+
+def where_words(report) -> str:
+    """Where it ran out, at the line of code that asked: 'cell line 4 `y = f(x)`'; inside a function the
+    black box saw, '`attn = q @ k` at model.py:42 (attend), cell line 4'; else the cell's line and the
+    function it called ('cell line 4 `y = f(x)` inside attend')."""
+    f = report.failure
+    box = report.blackbox
+    site = box.failure.site if box is not None and box.failure is not None else None
+    if site is not None and site.filename is not None and site.code and not (site.in_cell and f is not None
+                                                                              and site.line == f.line):
+        return f"`{shorten(site.code, CODE_WIDTH)}` at {line_label(site)}"
+    if f is None:
+        return ""
+    code = f" `{shorten(f.text.strip(), CODE_WIDTH)}`" if f.text and f.text.strip() else ""
+    shown_file = f.filename and not is_cell_file(f.filename)
+    if f.line is not None:
+        inside = f" inside {f.function}" + (f" ({f.filename})" if shown_file else "") if f.function else ""
+        return f"cell line {f.line}{code}{inside}"
+    return (f.function or "code outside the cell") + (f" ({f.filename})" if shown_file else "")
+
+
+def asked_words(oom) -> str:
+    """'asked 300.00 MiB, 119.99 MiB free of 256.00 MiB'; '' where the message gives no figures."""
+    if oom is None or oom.requested is None:
+        return ""
+    words = f"asked {format_bytes(oom.requested)}"
+    if oom.free is not None:
+        words += f", {format_bytes(oom.free)} free"
+        if oom.capacity is not None:
+            words += f" of {format_bytes(oom.capacity)}"
+    elif oom.capacity is not None:
+        words += f" on {format_bytes(oom.capacity)}"
+    return words
+
+
+def back_words(report) -> str:
+    """'memory released: 16.00 MiB back, no restart needed' (the API's report leaves the restart out)."""
+    back = sum(report.reclaimed.values()) if report.reclaimed else 0
+    return f"memory released: {format_bytes(back)} back" + ("" if report.api else ", no restart needed")
+
+
+def trying_words(report, trying) -> str:
+    """While a retry runs: the value being tried ('batch_size = 2920, accum_steps = 6')."""
+    if not trying or not report.variable:
+        return ""
+    value, accum = trying
+    words = f"{report.variable} = {value}"
+    if report.accumulate and accum is not None:
+        words += f", {report.accumulate} = {accum}"
+    return words
+
+
+def headline(report, running: bool = False, trying=None) -> str:
+    """The report's first line. Running: what runs (the attempt and the value being tried). After an OOM:
+    where it failed, asked against free, and what came back; after a retry that fitted: the value."""
+    src = report.source
+    if running:
+        last = report.attempts[-1] if report.attempts else None
+        if trying and last is not None and report.variable and last.value == trying[0]:
+            # between attempts: the failed one is undone and the model measured before the next value
+            what = "ran out of memory" if last.outcome == "oom" else ("fitted as a probe" if last.probe else "fitted")
+            return (f"{src}: running the cell; attempt {len(report.attempts)} {what} at "
+                    f"{report.variable}={last.value}, choosing the next value")
+        attempt = f", attempt {len(report.attempts) + 1}" if report.attempts else ""
+        value = trying_words(report, trying)
+        return f"{src}: running the cell{attempt}" + (f" at {value}" if value else "")
+    if report.outcome not in ("oom", "recovered") or report.oom is None:
+        return guard_title(report)
+    where = where_words(report)
+    asked = asked_words(report.oom)
+    failed = "out of memory" + (f" at {where}" if where else "") + (f": {asked}" if asked else "")
+    if report.outcome == "recovered":
+        var = report.variable
+        return f"{src}: fits at {var}={report.final_value}; ran {failed} at {var}={report.original_value}"
+    return f"{src}: {failed}; {back_words(report)}"
+
+
+def cause(report) -> str:
+    """The cause in one sentence (the diagnosis's first); '' without a diagnosis."""
+    diag = report.diagnosis
+    if diag is None:
+        return ""
+    return diag.cause or diag.summary
+
+
+def _label(text: str) -> str:
+    head = text.split(":", 1)[0].strip()
+    return head if len(head) <= 80 else shorten(text, 80)
+
+
+def steps(report, count: int = STEPS) -> list[Step]:
+    """The first things to do, most useful first (the diagnosis's advice)."""
+    diag = report.diagnosis
+    if diag is None:
+        return []
+    return [Step(_label(a.text), a.text, a.code) for a in diag.advice[:count]]
+
+
+def more_words(report) -> str:
+    """The text form's last line: what is folded, and how to see it."""
+    folded = ["the figures", "the split by kind", "the whole diagnosis and advice"]
+    if report.show_attempts:
+        folded.append("each attempt")
+    how = "print(report) (a decorated function's is its .last_report)" if report.api else MORE_TEXT
+    return f"More ({', '.join(folded)}): {how}"
+
+
+def details_label(report) -> str:
+    """The folded part's summary line in HTML and the widget."""
+    parts = ["figures", "by kind", "full diagnosis and advice"]
+    if report.show_attempts:
+        parts.append(f"{len(report.attempts)} attempts")
+    return "Details: " + ", ".join(parts)

@@ -1,0 +1,186 @@
+"""Issue 21: the report is an answer. In a real shell on the simulated device, a real failing cell's report
+leads with the line that failed (asked against free, what came back), the cause in one sentence, and the
+first thing to do as a line to paste with the cell's own names; the rest is folded and `%oomguard last`
+shows it."""
+from __future__ import annotations
+
+import re
+
+from conftest import run_ok
+
+MODEL = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
+opt = torch.optim.Adam(model.parameters())
+"""
+TRAIN = """
+for step in range(accum_steps):
+    x = torch.randn(batch_size, 512)
+    loss = model(x).pow(2).mean() / accum_steps
+    loss.backward()
+opt.step(); opt.zero_grad()
+"""
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_training_cell_gets_its_own_names_in_the_line_to_paste(tip, capsys):
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "batch_size = 32768\naccum_steps = 1\nwidth = 512")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o" + TRAIN).result
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert report.outcome == "oom"
+    flat = _flat(out)
+    assert flat.startswith("%%oomguard: out of memory at cell line 3 `loss = model(x).pow(2).mean() / accum_steps`: "
+                           "asked 256.00 MiB,")
+    assert "free of 256.00 MiB; memory released:" in flat and "no restart needed" in flat
+    assert lines[2].startswith("Cause: The working set is too large")
+    do = next(i for i, line in enumerate(lines) if line.startswith("Do this: "))
+    assert do <= 4 and "    %%oomguard -r batch_size -a accum_steps" in lines
+    assert "BATCH" not in out and "ACCUM" not in out and "width" not in out
+    assert lines[-2].startswith("More (") and lines[-2].endswith("%oomguard last")
+    for folded in ("Diagnosis:", "reserved but unallocated", "At the failure, by kind", "Try, most useful first"):
+        assert folded not in out, folded
+    # the rest, in full
+    tip.run_line_magic("oomguard", "last")
+    full = capsys.readouterr().out
+    assert "-- details --" in full and "Diagnosis:" in full and "reserved but unallocated" in full
+    assert full.startswith(out.split("More (")[0].rstrip())
+    assert str(report) == full.rstrip("\n")
+
+
+def test_a_batch_named_without_accumulation_gets_retry_without_a(tip, capsys):
+    """A cell with `bs` and no accumulation: `-r bs` alone (an `-a` with a name the cell lacks would be a
+    UsageError when pasted)."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "bs = 32768")
+    capsys.readouterr()
+    tip.run_cell("%%oomguard --no-raise\nx = torch.randn(bs, 512)\nloss = model(x).pow(2).mean()\nloss.backward()\n"
+                 "opt.step()")
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "    %%oomguard -r bs" in lines and not [line for line in lines if "%%oomguard -r bs -a" in line]
+
+
+def test_one_allocation_larger_than_the_device_comes_first(tip, capsys):
+    """The issue's cell: 300 MiB asked on 256 MiB while names hold 64 MiB; the cause is the allocation, the
+    first advice works in pieces (not `.detach()`, which frees nothing here), and nothing nests brackets."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "h = torch.randn(4096, 4096, requires_grad=True) * 1\nlogged = [h.sum() for _ in range(3)]")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\ny = torch.empty(300 * 2**20, dtype=torch.uint8)").result
+    out = capsys.readouterr().out
+    assert report.diagnosis.causes[0] == "request_exceeds_capacity"
+    cause = next(line for line in out.splitlines() if line.startswith("Cause:"))
+    assert cause.startswith("Cause: A single allocation of 300.00 MiB is larger than the whole device")
+    do = out.split("Do this:")[1].split("Or:")[0]
+    assert "detach" not in do and "pieces" in do
+    assert not re.search(r"\([^()]*\([^()]*\)[^()]*\)[^()]*\(", report.diagnosis.summary)   # no (a (b)) (c)
+
+
+def test_html_leads_with_the_answer_and_folds_the_rest(tip):
+    from cuda_magic.display.html import guard_html
+
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "batch_size = 32768\naccum_steps = 1")
+    report = tip.run_cell("%%oomguard --no-raise -q -o" + TRAIN).result
+    html = guard_html(report)
+    head, folded = html.split('<details class="cuda-magic-details"', 1)
+    assert "<details" not in head and " open" not in folded.split(">", 1)[0]
+    assert head.index("cuda-magic-headline") < head.index("<b>Cause:</b>") < head.index("<b>Do this:</b>")
+    assert head.index("<b>Do this:</b>") < head.index("cuda-magic-timeline")
+    assert "%%oomguard -r batch_size -a accum_steps</code>" in head
+    assert "`" not in re.sub(r"<code[^>]*>.*?</code>", "", head, flags=re.S)    # backticks drawn as code
+    for facts in ("Diagnosis:", "reserved but unallocated", "At the failure, by kind"):
+        assert facts not in head and facts in folded
+    assert 'open>' in guard_html(report, full=True).split('<details class="cuda-magic-details"', 1)[1][:80]
+
+
+def test_a_retry_says_the_value_it_tries_before_each_attempt(tip, capsys):
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "batch_size = 32768\naccum_steps = 1")
+    import importlib
+
+    S = importlib.import_module("cuda_magic.display.show")
+
+    tried, shown = [], []
+    original = S.GuardHandle.try_value
+
+    def spy(self, value, accumulate=None):
+        tried.append((value, accumulate, len(self.attempts)))
+        original(self, value, accumulate)
+        if self.form == "html":
+            shown.append(self.html_bundle(self.running(), running=True, trying=self.trying)["text/plain"])
+
+    S.GuardHandle.try_value = spy
+    try:
+        report = tip.run_cell("%%oomguard -r batch_size -a accum_steps -o" + TRAIN).result
+    finally:
+        S.GuardHandle.try_value = original
+    assert report.outcome == "recovered"
+    values = [a.value for a in report.attempts]
+    assert [v for v, _, _ in tried][: len(values)] == values
+    assert [n for _, _, n in tried][: len(values)] == list(range(len(values)))    # before each attempt ran
+    assert all(a * v == 32768 or a * v >= 32768 for v, a, _ in tried if a)         # the effective batch kept
+    from cuda_magic.display.text import guard_text
+
+    from dataclasses import replace
+
+    first_done = replace(report, attempts=report.attempts[:1])       # as the header reads while attempt 2 runs
+    running = guard_text(first_done, running=True, trying=(tried[1][0], tried[1][1]))
+    assert running.startswith(f"%%oomguard: running the cell, attempt 2 at "
+                              f"batch_size = {tried[1][0]}, accum_steps = {tried[1][1]}")
+
+
+def test_last_without_a_report_says_so(ip, capsys):
+    ip.run_line_magic("oomguard", "last")
+    assert "No guarded cell has run yet" in capsys.readouterr().out
+
+
+def test_a_running_cell_shows_no_empty_peak_and_after_bars():
+    """While a cell runs its peak and after are not known yet: the running view draws the 'before' bar only
+    (the live gauge shows the rest), the finished report all three."""
+    from cuda_magic.devices.readings import DeviceMemory
+    from cuda_magic.display.html import guard_html
+    from cuda_magic.recover.report import GuardReport
+
+    dev = DeviceMemory("sim:0", "simulated GPU", "simulated", 2**30, torch_allocated=2**20, torch_cached=0,
+                       other_this_process=0, other_processes=0, free=2**30 - 2**20, peak=2**20)
+    running = guard_html(GuardReport(device="sim:0", before=[dev]), running=True)
+    assert ">before<" in running and ">peak<" not in running and ">after<" not in running and "n/a" not in running
+    done = guard_html(GuardReport(device="sim:0", before=[dev], after=[dev], peaks={"sim:0": 2**21}))
+    assert ">before<" in done and ">peak<" in done and ">after<" in done
+
+
+def test_between_attempts_the_header_names_the_attempt_that_failed_not_a_next_one():
+    """After attempt 1 fails the retry undoes it and measures the model before it sets the next value: the
+    header says so, never 'attempt 2 at <the value that failed>'."""
+    from cuda_magic.display.answer import headline
+    from cuda_magic.recover.report import Attempt, GuardReport, Retry
+
+    report = GuardReport(device="sim:0", retry=Retry("batch_size", 32768, accumulate="accum_steps",
+                                                     original_accumulate=1),
+                         attempts=[Attempt(32768, "oom", peak=2**20)])
+    gap = headline(report, running=True, trying=(32768, 1))
+    assert gap == ("%%oomguard: running the cell; attempt 1 ran out of memory at batch_size=32768, "
+                   "choosing the next value")
+    assert headline(report, running=True, trying=(5984, 6)) == (
+        "%%oomguard: running the cell, attempt 2 at batch_size = 5984, accum_steps = 6")
+
+
+def test_the_widget_puts_the_answer_before_the_black_box(tip):
+    from cuda_magic.display.widget import GuardWidget
+
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "batch_size = 32768\naccum_steps = 1")
+    report = tip.run_cell("%%oomguard --no-raise -q -o" + TRAIN).result
+    w = GuardWidget(report)
+    shown = [c for c in w.widget.children if c.layout.display != "none"]
+    assert shown[:4] == [w.title, w.diagnosis, w.blackbox, w.details]
+    assert "Do this:" in w.diagnosis.value and "cuda-magic-timeline" in w.blackbox.value
