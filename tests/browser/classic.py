@@ -51,6 +51,16 @@ class NotebookServer(LabServer):
         return f"{self.base_url}/notebooks/{name}"
 
 
+def available() -> bool:
+    """The classic Notebook (6.x) with ipywidgets' classic extension (widgetsnbextension 3.x)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("notebook").split(".")[0]) < 7 and int(version("widgetsnbextension").split(".")[0]) < 4
+    except PackageNotFoundError:
+        return False
+
+
 def server(notebook: Path, *, startup_timeout_s: float = 90):
     """Start the classic Notebook with a copy of `notebook` in a temporary root directory (a context
     manager yielding the NotebookServer). The widget extension is found through sys.prefix

@@ -13,18 +13,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from classic import available as _classic_notebook  # noqa: E402
 from lab import CHROMIUM  # noqa: E402
 from seeing import check_seeing  # noqa: E402
-
-
-def _classic_notebook() -> bool:
-    """The classic Notebook (6.x) with ipywidgets' classic extension (widgetsnbextension 3.x)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return int(version("notebook").split(".")[0]) < 7 and int(version("widgetsnbextension").split(".")[0]) < 4
-    except PackageNotFoundError:
-        return False
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -24,17 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab  # noqa: E402
+from classic import available as _classic_notebook  # noqa: E402
 from report_view import check_report_view, problems  # noqa: E402
-
-
-def _classic_notebook() -> bool:
-    """The classic Notebook (6.x) with ipywidgets' classic extension (widgetsnbextension 3.x)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return int(version("notebook").split(".")[0]) < 7 and int(version("widgetsnbextension").split(".")[0]) < 4
-    except PackageNotFoundError:
-        return False
 
 
 def _no_lab() -> bool:
