@@ -15,6 +15,7 @@ _API = {
     "snapshot": ("cuda_magic.memory.capture", "snapshot"),
     "is_oom": ("cuda_magic.oom.classify", "is_oom"),
     "oomguard": ("cuda_magic.api", "oomguard"),
+    "predict": ("cuda_magic.api", "predict"),
     "SimulatedDevice": ("cuda_magic.devices.simulated", "SimulatedDevice"),
     "simulated_device": ("cuda_magic.devices.simulated", "simulated_device"),
     "parse_size": ("cuda_magic.units", "parse_size"),

@@ -181,3 +181,50 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
             show(report)
         return False
+
+
+def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, min: int = 1,  # noqa: A002
+            exact: bool = False, limit: str | int | float | None = None, amp: str | None = None,
+            device: str | None = None, **kwargs):
+    """Predict the memory of `fn(*args, **kwargs)` without running it: `fn` runs on fake tensors, with
+    fake copies of the modules and optimizers among its arguments and the globals it names, and nothing
+    it does stays. Returns a `Prediction` (`.peak`, `.by_kind`, `.by_line`, `.largest`, `.fits`);
+    `print(prediction)` shows it. `retry="batch_size"` (a keyword argument of fn, given or defaulted)
+    also finds the largest value that fits, down to `min`; `accumulate="accum_steps"` scales another so
+    that the effective batch stays at least what it was (`exact=True`: a divisor of it). `limit` ("16GiB",
+    a fraction) and `device` choose what to fit in, as for `oomguard`; `amp` ('bf16', 'fp16') predicts
+    under torch.autocast."""
+    from cuda_magic.devices.meter import SimMeter, available_memory, capacity_of
+    from cuda_magic.devices.meter import autocast as autocast_for
+    from cuda_magic.devices.simulated import SimulatedDevice
+    from cuda_magic.fakerun.planner import Planner
+    from cuda_magic.recover.guarded import RetrySpec
+
+    guard = oomguard(retry, min=min, accumulate=accumulate, limit=limit, amp=amp, device=device, exact=exact)
+    signature = inspect.signature(fn)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    spec = None
+    if retry is not None:
+        for name in (retry, accumulate):
+            if name is not None:
+                if name not in arguments:
+                    raise ValueError(f"{getattr(fn, '__name__', 'fn')}() has no argument {name!r} to retry")
+                if not is_positive_int(arguments[name]):
+                    raise ValueError(f"{name} must be a positive int to be retried, not {arguments[name]!r}")
+        if arguments[retry] < min:
+            raise ValueError(f"{retry}={arguments[retry]} is already below min={min}")
+        spec = RetrySpec(retry, accumulate, min, False, exact)
+    meter, cap = guard._choose_meter()
+    if meter.key == "cpu":
+        meter = SimMeter(SimulatedDevice(available_memory() or (1 << 40), name="this machine's memory"), temporary=True)
+    code = getattr(fn, "__code__", None)
+    named = set(code.co_names) if code is not None else set()
+    globals_ = getattr(fn, "__globals__", None)
+    planner = Planner(meter, lambda: fn(*bound.args, **bound.kwargs), capacity=cap if cap is not None else capacity_of(meter),
+                      limited=cap is not None, bind=arguments,
+                      more=[(globals_, named)] if globals_ is not None else [], namespace=None, retry=spec, amp=amp,
+                      autocast=lambda: autocast_for(amp, meter), api=True,
+                      device_name=meter.device.name if meter.key.startswith("sim") else "")
+    return planner.predict()

@@ -47,6 +47,11 @@ CHECKS = [
                     "widget and the gauge's outputs present)"),
     ("retry", "-r on a CNN training cell under -l: 2 runs, within 15% of the largest value that fits, the model "
               "and optimizer equal to one clean run at the value found"),
+    ("predict", "%%oomguard --predict on the CNN training cell: torch's allocated and reserved figures do not move "
+                "during the prediction, the predicted peak against the real run's max_memory_allocated (within "
+                "5%), and -r under -l: the predicted value fits when run"),
+    ("allocator", "the simulated caching allocator against torch's: the same training cells' allocations replayed "
+                  "on a simulated device, its peak reserved against torch.cuda.max_memory_reserved (within 5%)"),
 ]
 
 
@@ -467,6 +472,66 @@ class Checks:
         self.ok(runs == 2 and final is not None and 0.85 * lo <= final <= lo and equal, "retry",
                 f"-r from {2 * lo}: {runs} runs, bs={final} of the largest {lo} ({(final or 0) / lo:.1%}), "
                 f"state equal to one clean run: {equal}; why: {rep.attempts[-1].reason if rep.attempts else ''}")
+        ip.run_cell("model = opt = data = None")
+
+    # 13 ---------------------------------------------------------------------------------------------
+    def predict(self):
+        ip, torch = self.ip, self.torch
+        ip.run_cell(TRAIN_SETUP)
+        ip.run_cell("reset()\nbs = 256")
+        torch.cuda.synchronize()
+        before = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+        p = ip.run_cell("%%oomguard --predict -q -o\n" + TRAIN_CELL).result
+        torch.cuda.synchronize()
+        after = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+        ip.run_cell("reset()")
+        torch.cuda.reset_peak_memory_stats(0)
+        real = ip.run_cell("%%oomguard -q -o --no-raise\n" + TRAIN_CELL).result
+        peak = real.peaks.get("cuda:0")
+        close = p is not None and peak and abs(p.peak - peak) <= 0.05 * peak
+        self.ok(before == after and close, "predict",
+                f"allocated/reserved before the prediction {before}, after {after}; predicted peak "
+                f"{getattr(p, 'peak', None)} against the real run's {peak} (complete: {getattr(p, 'complete', None)}, "
+                f"{getattr(p, 'enough', None)})")
+        ip.run_cell("reset()\nbs = 4096")
+        q = ip.run_cell("%%oomguard --predict -q -o -l 2GiB -r bs\n" + TRAIN_CELL).result
+        found = getattr(q, "largest", None)
+        ok = False
+        if found:
+            ip.run_cell(f"reset()\nbs = {found}")
+            ok = ip.run_cell("%%oomguard -q -o --no-raise -l 2GiB\n" + TRAIN_CELL).result.outcome == "ok"
+        self.ok(ok, "predict", f"--predict -r bs under -l 2GiB: largest {found} ({len(getattr(q, 'runs', []))} fake "
+                               f"runs, {getattr(q, 'seconds', 0):.2f} s), fits when run: {ok}")
+        ip.run_cell("model = opt = data = None")
+
+    # 14 ---------------------------------------------------------------------------------------------
+    def allocator(self):
+        ip, torch = self.ip, self.torch
+        from cuda_magic.devices.simulated import SimulatedDevice
+
+        ip.run_cell(TRAIN_SETUP)
+        for bs in (64, 256):
+            ip.run_cell(f"reset()\nbs = {bs}")
+            ip.run_cell("%freecuda -q")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(0)
+            base = torch.cuda.memory_reserved(0)
+            ip.run_cell(TRAIN_CELL)
+            torch.cuda.synchronize()
+            real = torch.cuda.max_memory_reserved(0) - base
+            # the same cell on a simulated device (CPU tensors: .cuda() is made a no-op by a cpu model copy)
+            ip.run_cell("import copy as _copy\nsim_model = _copy.deepcopy(model).cpu()")
+            cpu_cell = (TRAIN_CELL.replace(".cuda()", "").replace("model(", "sim_model(")
+                        .replace("opt.", "sim_opt."))
+            dev = SimulatedDevice(torch.cuda.get_device_properties(0).total_memory)
+            with dev:
+                ip.run_cell("sim_opt = torch.optim.SGD(sim_model.parameters(), lr=0.05, momentum=0.9)\n" + cpu_cell)
+            simulated = dev.peak_reserved
+            self.ok(real > 0 and abs(simulated - real) <= 0.05 * real, "allocator",
+                    f"bs={bs}: torch.cuda.max_memory_reserved rose {real} during the cell, the simulated allocator "
+                    f"reserved {simulated} at its peak ({(simulated - real) / max(real, 1):+.1%})")
+            ip.run_cell("del sim_model, sim_opt")
         ip.run_cell("model = opt = data = None")
 
 

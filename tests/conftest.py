@@ -54,7 +54,7 @@ def torch_warm():
 
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    with SimulatedDevice(1 << 20):
+    with SimulatedDevice(1 << 30):
         torch.zeros(4) + torch.ones(4)
     return torch
 

@@ -92,6 +92,60 @@ with torch.no_grad():
 """
 GENERATE_CAP, GENERATE_LARGEST = "32MiB", 376
 
+# a ResNet (torchvision's BasicBlock, written out: torchvision's CPU build does not install beside the CPU
+# torch here) trained through a DataLoader of uint8 images
+RESNET = COMMON + """
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Block(nn.Module):              # torchvision's BasicBlock
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+class ResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.layers = nn.Sequential(Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+model = ResNet()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = TensorDataset(torch.randint(0, 256, (512, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (512,)))
+losses = []
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state())
+def reset():
+    for n in ("loader", "xb", "yb", "loss"):
+        globals().pop(n, None)
+    gc.collect()
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1])); torch.set_rng_state(start[2])
+    for p in model.parameters():
+        p.grad = None
+"""
+RESNET_CELL = """model.train()
+loader = DataLoader(data, batch_size=bs, shuffle=True)
+for step, (xb, yb) in enumerate(loader):
+    loss = nn.functional.cross_entropy(model(xb.float().div_(255)), yb)
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    if step == 1:
+        break
+"""
+
 # name -> (what it is, setup, cell, cap, largest bs that fits under the cap)
 MODELS = {
     "llama": ("2 steps of AdamW with clipping and a scheduler on a transformers Llama causal LM (2 layers, "

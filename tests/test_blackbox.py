@@ -153,11 +153,12 @@ def test_attempts_are_separate_traces(torch_warm):
     torch = torch_warm
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    dev = SimulatedDevice(16 * MiB)
+    # 64 MiB does not fit; 8 MiB twice does, in one 20 MiB segment (requests of 1 to 10 MiB reserve 20 MiB)
+    dev = SimulatedDevice(32 * MiB)
     rec = Recorder(cell_filename="<cell-bb-2>")
     dev.attach_recorder(rec)
     with dev:
-        for attempt, n in enumerate((8, 2)):
+        for attempt, n in enumerate((16, 2)):
             rec.begin_attempt(attempt)
             try:
                 x = torch.ones(n, 1024, 1024)
@@ -182,10 +183,10 @@ def test_the_drawn_timeline_has_no_script_and_loads_nothing(torch_warm):
     torch = torch_warm
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    dev = SimulatedDevice(8 * MiB)
+    dev = SimulatedDevice(20 * MiB)     # 8 MiB in a 20 MiB segment; the 16 MiB product needs one of its own
     with dev:
         rec, lines, failed = recorded(dev, """
-            a = torch.ones(1024, 1024)
+            a = torch.ones(2048, 1024)
             scores = a @ a.T @ a
         """, {"torch": torch})
     tl = blackbox_from(rec, capacity=dev.capacity, lines=lines)
@@ -196,7 +197,7 @@ def test_the_drawn_timeline_has_no_script_and_loads_nothing(torch_warm):
     assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "Alive at the failure, by line" in html and "cell line 1" in html
     text = repr(tl)
-    assert "Black box" in text and "4.00 MiB" in text and "The failing request: 4.00 MiB from `scores = a @ a.T @ a`" in text
+    assert "Black box" in text and "8.00 MiB" in text and "The failing request: 16.00 MiB from `scores = a @ a.T @ a`" in text
     frame = tl.timeline_frame()
     assert list(frame.columns) == ["event", "seconds", "allocated", "attempt"] and "oom" in set(frame.event)
     lines_frame = tl.by_line_frame()

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import run_ok
 from model_cells import (BERT, BERT_CAP, BERT_CELL, BERT_LARGEST, COMMON, GENERATE, GENERATE_CAP, GENERATE_CELL,
-                         GENERATE_LARGEST, LLAMA, LLAMA_CAP, LLAMA_CELL, LLAMA_LARGEST, TRAINER, TRAINER_CELL)
+                         GENERATE_LARGEST, LLAMA, LLAMA_CAP, LLAMA_CELL, LLAMA_LARGEST, RESNET, TRAINER,
+                         TRAINER_CELL)
 from retry_helpers import largest
 
 transformers = pytest.importorskip("transformers")
@@ -120,40 +121,6 @@ def test_generate_under_oomguard_on_never_says_delete_the_model(tip):
     assert not any("-r BATCH -a" in c or "backward" in c for c in codes(report)), codes(report)
 
 
-RESNET = COMMON + """
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-class Block(nn.Module):              # torchvision's BasicBlock
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + (x if self.down is None else self.down(x)))
-
-class ResNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.layers = nn.Sequential(Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2))
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
-
-model = ResNet()
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-data = TensorDataset(torch.randint(0, 256, (512, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (512,)))
-losses = []
-"""
 RESNET_LEAK = """loader = DataLoader(data, batch_size=64, shuffle=True)
 for step, (xb, yb) in enumerate(loader):
     loss = nn.functional.cross_entropy(model(xb.float().div_(255)), yb)

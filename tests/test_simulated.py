@@ -13,6 +13,24 @@ torch = pytest.importorskip("torch")
 
 from cuda_magic.devices.simulated import SimulatedDevice, simulated_device  # noqa: E402
 
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _caching_by_default(monkeypatch):
+    """The devices of this file reserve as torch's caching allocator does (the simulated device's default
+    is the plain count: `SimulatedDevice.default_allocator`; `%gpumem --simulate ... ` takes either)."""
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    monkeypatch.setattr(SimulatedDevice, "default_allocator", "caching")
+
+
+def gpu(*sizes: int) -> int:
+    """What torch's allocated_bytes counts for storages of these sizes (each at most 1 MiB: the small pool,
+    where a block is the request rounded up to 512 bytes, `round_size` in c10/cuda/CUDACachingAllocator.cpp,
+    torch 2.2 to 2.13); an empty storage takes no block."""
+    return sum(0 if n == 0 else -(-n // 512) * 512 for n in sizes)
+
 
 class Ledger:
     """The storages created while a device was active, as gc finds them (keyed by StorageImpl address).
@@ -38,8 +56,9 @@ class Ledger:
 
     def check(self, dev: SimulatedDevice, collect: bool = True) -> None:
         live = self.live(collect)
-        assert dev.allocated == sum(live.values()), (dev.allocated, live, dev._live)
-        assert dev._live == live
+        # every live storage holds one block; these tests make storages of at most 1 MiB (the small pool)
+        assert dev._live == {key: gpu(n) for key, n in live.items()}
+        assert dev.allocated == gpu(*live.values()) == dev.model.allocated, (dev.allocated, live, dev._live)
 
 
 @pytest.fixture
@@ -66,7 +85,7 @@ def test_creates_views_inplace_out_and_deletes(ledger):
         e = a.clone()
         f = torch.cat([a, a])
         ledger.check(dev)
-        assert dev.allocated == 40_000 * 2 + 12 + 80_000 + 40_000 + 80_000
+        assert dev.allocated == gpu(40_000, 40_000, 12, 80_000, 40_000, 80_000)
         del v, a
         ledger.check(dev)                # `a` lives on through nothing: its storage is given back
         del b, c, d, e, f
@@ -81,11 +100,11 @@ def test_autograd_saved_activations_count_until_the_graph_is_freed(ledger):
         ledger.check(dev)
         loss = (x @ w).relu().sum()
         # relu saves its output (64 x 16 floats), alive only inside the graph; the matmul's output is gone
-        assert dev.allocated == 64 * 32 * 4 + 32 * 16 * 4 + 64 * 16 * 4 + 4
+        assert dev.allocated == gpu(64 * 32 * 4, 32 * 16 * 4, 64 * 16 * 4, 4)
         ledger.check(dev)
         loss.backward()                  # frees the saved output, creates w.grad
         assert w.grad is not None
-        assert dev.allocated == 64 * 32 * 4 + 32 * 16 * 4 + 4 + 32 * 16 * 4
+        assert dev.allocated == gpu(64 * 32 * 4, 32 * 16 * 4, 4, 32 * 16 * 4)
         ledger.check(dev)
         del loss
         ledger.check(dev)
@@ -102,8 +121,8 @@ def test_peak_is_exact(torch_warm):
         tmp = torch.empty(2**20, dtype=torch.uint8)
         del tmp
         small = torch.zeros(10)
-        assert dev.peak == 4000 + 2**20
-        assert dev.allocated == 4000 + 40
+        assert dev.peak == gpu(4000, 2**20)
+        assert dev.allocated == gpu(4000, 40)
         del keep, small
 
 
@@ -114,7 +133,7 @@ def test_freed_bytes_come_back_at_once_without_gc(torch_warm):
         gc.disable()
         try:
             del t
-            assert dev.allocated == 4000          # a view still holds the storage
+            assert dev.allocated == gpu(4000)     # a view still holds the storage
             del u
             assert dev.allocated == 0
         finally:
@@ -148,19 +167,25 @@ def test_oom_is_raised_before_allocating(torch_warm):
         del held
 
 
-def test_oom_on_growth_of_an_out_tensor(torch_warm):
-    with SimulatedDevice(10_000) as dev:
-        a = torch.zeros(1000)                 # 4000 bytes
+@pytest.mark.parametrize("allocator", ["caching", "plain"])
+def test_oom_on_growth_of_an_out_tensor(torch_warm, allocator):
+    if allocator == "plain":
+        dev, n = SimulatedDevice(10_000, allocator="plain"), 1000   # 4000 bytes, 8000 more: past 10 000
+    else:
+        # 8 MiB in a 20 MiB segment; growing to 16 MiB needs a segment of its own: 36 MiB past 24
+        dev, n = SimulatedDevice(24 * MiB), 2 * MiB
+    with dev:
+        a = torch.zeros(n)
         out = torch.empty(0)
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            torch.cat([a, a], out=out)        # 8000 more: past 10 000
+            torch.cat([a, a], out=out)
         del a, out
     assert dev.allocated == 0
 
 
 def test_storages_made_before_are_not_counted(torch_warm):
     before = torch.zeros(1000)
-    with SimulatedDevice(1 << 20) as dev:
+    with SimulatedDevice(1 << 30) as dev:
         view = before[:10]
         before.mul_(2)
         assert dev.allocated == 0
@@ -181,7 +206,7 @@ def test_deep_copies_and_loaded_states_are_counted(ledger):
         before = dev.allocated
         saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
         # the weights, exp_avg and exp_avg_sq, and the two step counters (one-element tensors)
-        assert dev.allocated == before + 3 * (256 * 1024 + 1024) * 4 + 2 * 4
+        assert dev.allocated == before + 3 * gpu(256 * 1024 * 4, 1024 * 4) + 2 * gpu(4)
         opt.load_state_dict(copy.deepcopy(saved[1]))
         ledger.check(dev)
         del saved
@@ -193,17 +218,17 @@ def test_deep_copies_and_loaded_states_are_counted(ledger):
         file.seek(0)
         before = dev.allocated
         loaded = torch.load(file)                       # storages read from the file, then set_
-        assert dev.allocated == before + (256 * 1024 + 1024) * 4
+        assert dev.allocated == before + gpu(256 * 1024 * 4, 1024 * 4)
         del loaded, model, opt
     gc.collect()
 
 
 def test_stop_keeps_giving_back_and_inactive_creation_is_not_counted(torch_warm):
-    dev = SimulatedDevice(1 << 20).start()
+    dev = SimulatedDevice(1 << 30).start()
     t = torch.zeros(100)
     dev.stop()
     u = torch.zeros(100)
-    assert dev.allocated == 400 and not dev.active
+    assert dev.allocated == gpu(400) and not dev.active
     del t
     assert dev.allocated == 0
     del u
@@ -256,7 +281,7 @@ def test_output_sizes_are_predicted_once_per_shape(torch_warm):
     torch = torch_warm
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    dev = SimulatedDevice(6 << 20)
+    dev = SimulatedDevice(40 << 20)
     with dev:
         a = torch.ones(256, 256)
         for _ in range(3):
@@ -264,8 +289,8 @@ def test_output_sizes_are_predicted_once_per_shape(torch_warm):
         cached = len(dev._mode.predicted)
         b = a @ a
         assert len(dev._mode.predicted) == cached
-        big = torch.ones(1024, 512)
+        big = torch.ones(4096, 512)
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            big @ big.T                           # 2.5 MiB held, 4 MiB more asked, 6 MiB in all
+            big @ big.T             # 22 MiB reserved (a 2 MiB and a 20 MiB segment), 64 MiB more asked
         assert len(dev._mode.predicted) > cached
-        assert dev.allocated == (256 * 256 + 256 * 256 + 1024 * 512) * 4
+        assert dev.allocated == (256 * 256 + 256 * 256 + 4096 * 512) * 4

@@ -236,7 +236,7 @@ def unsupported_build(torch) -> str | None:
     return None
 
 
-def enable_expandable_segments() -> str:
+def enable_expandable_segments(simulated=None) -> str:
     """Switch expandable_segments on in the allocator settings for this process now, keeping the other
     options.
 
@@ -244,8 +244,14 @@ def enable_expandable_segments() -> str:
     setting; it acts on it, and a build that cannot use it says so, when it next reserves memory.
     Raises RuntimeError saying why where it cannot: no CUDA device, the cudaMallocAsync backend (which has
     no expandable segments), or a build known to ignore it (`unsupported_build`).
+
+    `simulated`: the simulated device (devices/simulated.py) a run is metered on. Its model of the caching
+    allocator is switched instead of CUDA's (`SimulatedDevice.enable_expandable_segments`: for simulated
+    devices from then on, as torch's setting is the process's).
     """
     global _set_here
+    if simulated is not None:
+        return simulated.enable_expandable_segments()
     import torch
 
     from cuda_magic.devices.probe import cuda_device_count, cuda_started

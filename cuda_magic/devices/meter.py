@@ -31,7 +31,7 @@ class SimMeter(Meter):
         return self.device.allocated
 
     def reserved(self) -> int:
-        return self.device.allocated
+        return self.device.reserved
 
     def capacity(self) -> int:
         return self.device.capacity

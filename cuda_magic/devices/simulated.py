@@ -2,8 +2,21 @@
 
 While active, every tensor storage created in this thread counts against the device's capacity (views
 once, keyed by storage), freeing it gives the bytes back at once (a finalizer on the storage, no gc
-needed), and an allocation past the capacity raises torch's OutOfMemoryError (`devices.errors.oom_error_class`) with a CUDA-style message
-before the memory is really taken: each op's output sizes are first computed on the meta device.
+needed), and an allocation that does not fit raises torch's OutOfMemoryError
+(`devices.errors.oom_error_class`) with a CUDA-style message before the memory is really taken: each op's
+output sizes are first computed on the meta device.
+
+What fits can be decided as on a GPU: with `allocator="caching"` each storage takes a block of a model
+of torch's CUDA caching allocator (devices/caching_allocator.py: 512-byte rounding, 2 MiB small and 20 MiB
+large segments, cached free blocks, best fit, splits and merges, `max_split_size_mb`,
+`expandable_segments`), so `allocated` counts rounded blocks as torch's allocated_bytes does, `reserved`
+the segments, and a request fails when no cached block fits and no new segment can be reserved within
+the capacity - with reserved-but-unallocated memory (fragmentation) where the cache holds it. The
+allocator settings are the process's (PYTORCH_CUDA_ALLOC_CONF and friends, or what was set at runtime:
+`allocator_conf.current_allocator_conf`, or what cuda_magic switched for simulated devices:
+`apply_allocator_settings`) unless a device is given its own. `allocator="plain"` (the default,
+`SimulatedDevice.default_allocator`, which the retry's tests and pins are made for) counts the storages'
+bytes against the capacity, nothing rounded and nothing cached.
 """
 from __future__ import annotations
 
@@ -15,6 +28,9 @@ from cuda_magic.devices.probe import real_storage, subclasses
 from cuda_magic.devices.readings import DeviceMemory
 
 _active: list[SimulatedDevice] = []   # devices counting now, the latest started last (mirrors the modes entered)
+_following: weakref.WeakSet = weakref.WeakSet()   # caching devices that follow the process's allocator settings
+_settings_here: str | None = None     # the allocator settings cuda_magic set for simulated devices, if any
+ALLOCATORS = ("caching", "plain")
 _host_only: set[int] = set()               # storages kept in host memory on purpose: never counted
 _mode_class = None
 _tensor_type = None
@@ -85,11 +101,16 @@ def _get_mode_class():
                 info = schemas[func] = (fresh, any(fresh), any(a.name == "device" for a in schema.arguments),
                                         func in lift_fresh)
             fresh, any_fresh, has_device, lifted = info
-            if any_fresh:
+            if any_fresh and self.device.checks_before:
                 needed = self._predict(func, fresh, has_device, args, kwargs)
                 if needed:
                     self.device._check(needed)
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                if self.device._pending:          # blocks taken for outputs the op did not make
+                    self.device._drop_pending()
+                raise
             self.device._track_outputs(out, fresh, lifted)
             return out
 
@@ -120,14 +141,18 @@ def _get_mode_class():
             except Exception:
                 return None  # no meta kernel (data-dependent shapes): counted after the op instead
             outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
-            needed = 0
+            sizes, seen = [], set()
             for is_fresh, value in zip(fresh, outs):
                 if not is_fresh:
                     continue
                 for leaf in tree_flatten(value)[0]:
                     if isinstance(leaf, tensor_type):
-                        needed += leaf.untyped_storage().nbytes()
-            return needed
+                        storage = leaf.untyped_storage()
+                        nbytes = storage.nbytes()
+                        if nbytes and storage._cdata not in seen:
+                            seen.add(storage._cdata)
+                            sizes.append(nbytes)
+            return tuple(sizes)       # the bytes of each fresh storage, in the order the op makes them
 
     global _tensor_type
     _tensor_type = tensor_type
@@ -139,25 +164,68 @@ class SimulatedDevice:
     """A device of `capacity` bytes. Use as a context manager, or `start()` / `stop()`.
 
     `allocated` and `peak` are exact: every storage created while active is counted when created and
-    released when its last reference goes.
+    released when its last reference goes. With `allocator="caching"` (`default_allocator` is "plain")
+    each storage holds a block of a model of torch's CUDA caching allocator (`model`), so `allocated` is
+    the blocks' rounded sizes and `reserved` the segments the model reserved, with the allocator
+    settings `conf` ("max_split_size_mb:128,expandable_segments:True"; None: the process's settings,
+    followed when cuda_magic changes them). `allocator="plain"`: the storages' bytes, nothing reserved
+    beyond them.
     """
 
     kind = "simulated"
+    #: the storage a device counts under a tensor (None: nothing of its own); the prediction's meter
+    #: (a device that counts fake tensors) overrides it
+    storage_of = staticmethod(real_storage)
+    #: whether an op's output sizes are found (on the meta device) and checked before it runs; the
+    #: prediction's meter, which never runs out, counts after
+    checks_before = True
+    #: the allocator of a device made without `allocator=`: "plain" (the storages' bytes) or "caching"
+    #: (torch's caching allocator, as a GPU reserves)
+    default_allocator = "plain"
 
-    def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU"):
+    def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU",
+                 allocator: str | None = None, conf: str | None = None):
         if int(capacity) <= 0:
             raise ValueError(f"a simulated device needs a capacity above 0 bytes, not {capacity}")
-        self.capacity = int(capacity)
+        allocator = allocator or self.default_allocator
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"allocator is one of {', '.join(ALLOCATORS)}, not {allocator!r}")
+        if conf is not None and allocator != "caching":
+            raise ValueError("allocator settings (conf) are the caching allocator's; allocator='plain' has none")
+        self._capacity = int(capacity)
         self.index = index
         self.name = name
+        self.allocator = allocator
         self.allocated = 0
         self.peak = 0
-        self._live: dict[int, int] = {}
+        self._live: dict[int, int] = {}          # storage key -> the bytes it counts for (its block's size)
         self._finalizers: dict[int, weakref.finalize] = {}
         self._lock = threading.Lock()
         self._mode = None
         self.recorders: tuple = ()    # black boxes (devices/blackbox.py) recording now: `%oomguard on`'s
                                       # around a cell, a guarded run's inside it
+        self.model = None             # the caching allocator's model (None: the plain count)
+        self._blocks: dict = {}       # storage key -> its block of the model
+        self._pending: list = []      # (bytes, block) taken before an op for the storages it makes
+        self.follows_settings = False
+        if allocator == "caching":
+            from cuda_magic.devices.caching_allocator import CachingAllocatorModel
+
+            self.follows_settings = conf is None
+            self.model = CachingAllocatorModel.from_conf(
+                self._capacity, allocator_settings() if conf is None else conf, strict=conf is not None)
+            if self.follows_settings:
+                _following.add(self)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._capacity = int(value)
+        if self.model is not None:
+            self.model.capacity = self._capacity
 
     @property
     def key(self) -> str:
@@ -171,10 +239,29 @@ class SimulatedDevice:
     def live_storages(self) -> int:
         return len(self._live)
 
+    @property
+    def reserved(self) -> int:
+        """Bytes the device has reserved: what is allocated and the cache (free blocks of the segments the
+        caching allocator holds); with the plain count, what is allocated."""
+        model = self.model
+        if model is None:
+            return self.allocated
+        return self.allocated + model.reserved - model.allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.model.peak_reserved if self.model is not None else self.peak
+
+    @property
+    def expandable_segments(self) -> bool:
+        return self.model is not None and self.model.expandable_segments
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> SimulatedDevice:
         if self._mode is not None:
             raise RuntimeError("this simulated device is already active")
+        if self.follows_settings:
+            self.model.configure(_named(allocator_settings()), strict=False)
         self._mode = _get_mode_class()(self)
         self._mode.__enter__()
         _active.append(self)
@@ -198,6 +285,8 @@ class SimulatedDevice:
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.allocated
+            if self.model is not None:
+                self.model.reset_peak()
 
     @contextmanager
     def limited(self, capacity: int):
@@ -209,12 +298,109 @@ class SimulatedDevice:
         finally:
             self.capacity = old
 
+    def configure(self, conf: str) -> None:
+        """Change this device's allocator settings now, as torch's setter does (options not named go back
+        to their defaults, expandable_segments keeps its value); from now on the device keeps its own
+        settings rather than the process's. Segments reserved before stay as they were."""
+        if self.model is None:
+            raise ValueError("allocator='plain' has no allocator settings")
+        with self._lock:
+            self.model.configure(conf)
+            self.follows_settings = False
+            _following.discard(self)
+
+    def enable_expandable_segments(self) -> str:
+        """Switch expandable_segments on for this device's caching allocator, keeping its other settings:
+        for every simulated device that follows the process's settings, now and made later in this process
+        (torch's setting is the process's), or for this device alone where it has settings of its own. As
+        in torch it changes only what is reserved afterwards. Returns a sentence saying so; RuntimeError
+        for allocator="plain", which has no allocator to switch."""
+        from cuda_magic.devices.allocator_conf import merge_conf
+
+        if self.model is None:
+            raise RuntimeError(
+                "cannot switch on expandable_segments: this simulated device counts the storages' bytes "
+                "(allocator='plain'), with no caching allocator to switch.")
+        if self.model.expandable_segments:
+            return (f"expandable_segments is already on for the simulated device (allocator settings "
+                    f"{self.model.settings()!r}); nothing changed.")
+        if self.follows_settings:
+            new = merge_conf(allocator_settings(), expandable_segments=True)
+            apply_allocator_settings(new)
+            scope = "simulated devices in this process"
+        else:
+            new = merge_conf(self.model.settings(), expandable_segments=True)
+            self.configure(new)
+            scope = "this simulated device (it has allocator settings of its own)"
+        return (f"expandable_segments switched on for {scope} (allocator settings now {new!r}): the "
+                "simulated caching allocator grows one segment per pool instead of reserving one per "
+                "request. Segments reserved before stay as they were until the device's cache is emptied "
+                "(cuda_magic.devices.simulated.empty_caches(), as torch.cuda.empty_cache() on a GPU).")
+
+    def empty_cache(self) -> int:
+        """Give the cached segments that hold no storage back to the device (torch.cuda.empty_cache()):
+        the bytes given back (0 with the plain count)."""
+        if self.model is None:
+            return 0
+        with self._lock:
+            return self.model.empty_cache()
+
     # -- accounting --------------------------------------------------------------------------------
-    def _check(self, needed: int) -> None:
-        if needed and self.allocated + needed > self.capacity:
+    def _check(self, needed) -> None:
+        """Before an op runs: whether its fresh storages fit. `needed`: their sizes in bytes, in the order
+        the op makes them (a tuple), or one size (an int). The caching allocator takes their blocks now
+        (`_pending`, given to the storages as they appear, `_track_outputs`); what does not fit raises
+        the out-of-memory error before memory is really taken."""
+        if not needed:
+            return
+        model = self.model
+        if model is None:
+            total = needed if isinstance(needed, int) else sum(needed)
+            if self.allocated + total > self.capacity:
+                for recorder in self.recorders:
+                    recorder.oom(total, self.allocated)
+                raise self.out_of_memory(total)
+            return
+        from cuda_magic.devices.caching_allocator import CannotReserve
+
+        sizes = (needed,) if isinstance(needed, int) else needed
+        failure = None
+        with self._lock:
+            taken = []
+            try:
+                for nbytes in sizes:
+                    taken.append((nbytes, model.malloc(nbytes)))
+            except CannotReserve as exc:
+                failure = exc.with_traceback(None)   # no frames kept (they hold the op's tensors)
+                for _, block in taken:
+                    model.free(block)
+            else:
+                self._pending.extend(taken)
+        if failure is not None:
             for recorder in self.recorders:
-                recorder.oom(needed, self.allocated)
-            raise self.out_of_memory(needed)
+                recorder.oom(failure.size, self.allocated)
+            raise self.out_of_memory(failure.requested, failure)
+
+    def _drop_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for _, block in pending:
+                self.model.free(block)
+
+    def _take(self, nbytes: int):
+        """The block for a new storage of `nbytes`: the one taken for it before the op, else a new one
+        (may raise CannotReserve)."""
+        pending = self._pending
+        for i, (size, block) in enumerate(pending):
+            if size == nbytes:
+                del pending[i]
+                return block
+        return self.model.malloc(nbytes)
+
+    def _requested(self, key: int, counted: int) -> int:
+        """The bytes a counted storage had when its block was taken (to see it resized in place)."""
+        block = self._blocks.get(key)
+        return block.requested if block is not None else counted
 
     def attach_recorder(self, recorder) -> None:
         """Record allocations, frees and failing requests into `recorder` (a blackbox.Recorder), besides
@@ -227,28 +413,50 @@ class SimulatedDevice:
         with self._lock:
             self.recorders = tuple(r for r in self.recorders if r is not recorder)
 
-    def out_of_memory(self, requested: int):
+    def out_of_memory(self, requested: int, failure=None):
+        """The out-of-memory error for a request of `requested` bytes. With the caching allocator the
+        message is torch's: the segment it tried to reserve, the free memory, what is allocated and what is
+        reserved but unallocated (`failure`: the model's CannotReserve, else its figures now)."""
         from cuda_magic.devices.errors import oom_error_class
 
-        free = max(0, self.capacity - self.allocated)
+        model = self.model
+        if model is None:
+            free = max(0, self.capacity - self.allocated)
+            msg = (
+                f"CUDA out of memory (simulated device). Tried to allocate {torch_size_text(requested)}. "
+                f"GPU {self.index} has a total capacity of {torch_size_text(self.capacity)} of which "
+                f"{torch_size_text(free)} is free. Including non-PyTorch memory, this process has "
+                f"{torch_size_text(self.allocated)} memory in use. Of the allocated memory "
+                f"{torch_size_text(self.allocated)} is allocated by PyTorch, and 0 bytes is reserved by "
+                "PyTorch but unallocated.")
+            return oom_error_class()(msg)
+        if failure is not None:
+            alloc_size, allocated, reserved = failure.alloc_size, failure.allocated, failure.reserved
+        else:
+            alloc_size = model.allocation_size(model.round_size(max(1, int(requested))))
+            allocated, reserved = model.allocated, model.reserved
         msg = (
-            f"CUDA out of memory (simulated device). Tried to allocate {torch_size_text(requested)}. "
+            f"CUDA out of memory (simulated device). Tried to allocate {torch_size_text(alloc_size)}. "
             f"GPU {self.index} has a total capacity of {torch_size_text(self.capacity)} of which "
-            f"{torch_size_text(free)} is free. Including non-PyTorch memory, this process has "
-            f"{torch_size_text(self.allocated)} memory in use. Of the allocated memory "
-            f"{torch_size_text(self.allocated)} is allocated by PyTorch, and 0 bytes is reserved by "
-            "PyTorch but unallocated.")
+            f"{torch_size_text(max(0, self.capacity - reserved))} is free. Including non-PyTorch memory, "
+            f"this process has {torch_size_text(reserved)} memory in use. Of the allocated memory "
+            f"{torch_size_text(allocated)} is allocated by PyTorch, and "
+            f"{torch_size_text(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. If "
+            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True to avoid fragmentation.")
         return oom_error_class()(msg)
 
     def _track_outputs(self, out, fresh, lifted: bool) -> None:
         tensor_type = _tensor_type
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        model = self.model
         grown = 0
+        failure = None
         for is_fresh, value in zip(fresh, outs):
             for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
                 if not isinstance(leaf, tensor_type):
                     continue
-                storage = real_storage(leaf)     # fake, meta and wrapper tensors hold nothing of their own
+                storage = self.storage_of(leaf)     # fake, meta and wrapper tensors hold nothing of their own
                 if storage is None:
                     continue
                 key = storage._cdata
@@ -258,19 +466,55 @@ class SimulatedDevice:
                     if known is None:
                         if not (is_fresh or lifted) or (lifted and key in _host_only):
                             continue  # a view or in-place result of a storage made before we started
-                        self._live[key] = nbytes
-                        self.allocated += nbytes
+                        if model is None:
+                            counted = nbytes
+                        else:
+                            try:
+                                block = self._take(nbytes)
+                            except _cannot_reserve() as exc:   # no size known before the op ran
+                                failure = exc.with_traceback(None)
+                                continue
+                            counted = 0
+                            if block is not None:
+                                self._blocks[key] = block
+                                counted = block.size
+                        self._live[key] = counted
+                        self.allocated += counted
                         self._finalizers[key] = weakref.finalize(storage, self._release, key)
                         for recorder in self.recorders:
-                            recorder.alloc(key, nbytes, self.allocated)
-                    elif nbytes != known:          # resized in place (out= arguments, resize_)
+                            recorder.alloc(key, counted, self.allocated)
+                    elif model is None and nbytes != known:    # resized in place (out= arguments, resize_)
+                        delta = nbytes - known
+                        grown += max(0, delta)
                         self._live[key] = nbytes
-                        self.allocated += nbytes - known
-                        grown += max(0, nbytes - known)
+                        self.allocated += delta
                         for recorder in self.recorders:
                             recorder.resize(key, nbytes, self.allocated)
+                    elif model is not None and nbytes != self._requested(key, known):
+                        old = self._blocks.get(key)     # resized in place: a new block, then the old one
+                        try:                            # given back, as on a GPU
+                            block = model.malloc(nbytes)
+                        except _cannot_reserve() as exc:
+                            failure = exc.with_traceback(None)
+                            continue
+                        counted = block.size if block is not None else 0
+                        model.free(old)
+                        if block is None:
+                            self._blocks.pop(key, None)
+                        else:
+                            self._blocks[key] = block
+                        self._live[key] = counted
+                        self.allocated += counted - known
+                        for recorder in self.recorders:
+                            recorder.resize(key, counted, self.allocated)
                     if self.allocated > self.peak:
                         self.peak = self.allocated
+        if self._pending:
+            self._drop_pending()          # the op made fewer or other storages than its meta pass said
+        if failure is not None:
+            for recorder in self.recorders:
+                recorder.oom(failure.size, self.allocated)
+            raise self.out_of_memory(failure.requested, failure)
         if grown and self.allocated > self.capacity:
             for recorder in self.recorders:
                 recorder.oom(grown, self.allocated - grown)
@@ -278,9 +522,12 @@ class SimulatedDevice:
 
     def _release(self, key: int) -> None:
         with self._lock:
-            nbytes = self._live.pop(key, 0)
-            self._finalizers.pop(key, None)
-            self.allocated -= nbytes
+            counted = self._live.pop(key, 0)    # the block's size (read before the free: a freed block
+            self._finalizers.pop(key, None)     # merges with its neighbours), or the storage's bytes
+            block = self._blocks.pop(key, None)
+            self.allocated -= counted
+            if block is not None:
+                self.model.free(block)
             for recorder in self.recorders:
                 recorder.free(key, self.allocated)
 
@@ -288,7 +535,8 @@ class SimulatedDevice:
         """Count the CPU tensor storages that already exist (one gc scan), as a GPU counts what the notebook
         already holds: `-l` without CUDA then caps the whole, not only the cell's increase. Storages marked
         `host_only` (copies kept in host memory) are left out, and so are tensors that hold no memory of
-        their own (meta tensors). Returns the bytes added."""
+        their own (meta tensors). With the caching allocator each takes a block, reserved even past the
+        capacity (the memory exists). Returns the bytes added."""
         import gc
 
         import torch
@@ -308,10 +556,15 @@ class SimulatedDevice:
             with self._lock:
                 if key in self._live or key in _host_only or not nbytes:
                     continue
-                self._live[key] = nbytes
-                self.allocated += nbytes
+                counted = nbytes
+                if self.model is not None:
+                    block = self.model.malloc(nbytes, force=True)
+                    self._blocks[key] = block
+                    counted = block.size
+                self._live[key] = counted
+                self.allocated += counted
                 self._finalizers[key] = weakref.finalize(storage, self._release, key)
-                added += nbytes
+                added += counted
         with self._lock:
             self.peak = max(self.peak, self.allocated)
         return added
@@ -324,36 +577,98 @@ class SimulatedDevice:
         """Whether this device counts the storage whose `untyped_storage()._cdata` is `storage_key`."""
         return storage_key in self._live
 
+    def counted(self, storage_key: int) -> int:
+        """The bytes the storage whose `untyped_storage()._cdata` is `storage_key` counts for here (its
+        block's size with the caching allocator), 0 where it is not counted."""
+        return self._live.get(storage_key, 0)
+
     def forget(self) -> None:
-        """Stop following the storages counted so far (a device that is switched off for good)."""
+        """Stop following the storages counted so far (a device that is switched off for good); the
+        caching allocator gives back everything it reserved."""
         with self._lock:
             for fin in self._finalizers.values():
                 fin.detach()
             self._finalizers.clear()
             self._live.clear()
             self.allocated = 0
+            model = self.model
+            if model is not None:
+                blocks, self._blocks = self._blocks, {}
+                pending, self._pending = self._pending, []
+                for block in [*blocks.values(), *(b for _, b in pending)]:
+                    if block is not None:
+                        model.free(block)
+                model.empty_cache()
 
     def memory(self) -> DeviceMemory:
+        reserved = self.reserved
+        notes = ["simulated device: counts tensors created in this thread"]
+        if self.model is not None:
+            notes.append("reserves as torch's CUDA caching allocator"
+                         + (" with expandable segments" if self.model.expandable_segments else ""))
         return DeviceMemory(
             key=self.key, name=f"{self.name} ({torch_size_text(self.capacity)})", kind=self.kind,
-            capacity=self.capacity, torch_allocated=self.allocated, torch_cached=0,
-            other_this_process=0, other_processes=0, free=max(0, self.capacity - self.allocated),
-            peak=self.peak, peak_exact=True,
-            notes=["simulated device: counts tensors created in this thread"])
+            capacity=self.capacity, torch_allocated=self.allocated,
+            torch_cached=max(0, reserved - self.allocated),
+            other_this_process=0, other_processes=0, free=max(0, self.capacity - reserved),
+            peak=self.peak, peak_exact=True, notes=notes)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "inactive"
+        reserved = f", {self.reserved} reserved" if self.model is not None else ""
         return (f"<SimulatedDevice {self.key} {state}: {self.allocated} of {self.capacity} bytes "
-                f"allocated, peak {self.peak}>")
+                f"allocated{reserved}, peak {self.peak}>")
+
+
+def _cannot_reserve():
+    from cuda_magic.devices.caching_allocator import CannotReserve
+
+    return CannotReserve
+
+
+def allocator_settings() -> str:
+    """The allocator settings simulated devices that follow the process's take: what cuda_magic set for
+    them (`apply_allocator_settings`: `%%oomguard --expandable-segments` on a simulated device), else
+    the process's (`allocator_conf.current_allocator_conf`: the environment's, or what was set at
+    runtime)."""
+    if _settings_here is not None:
+        return _settings_here
+    from cuda_magic.devices.allocator_conf import current_allocator_conf
+
+    return current_allocator_conf()
+
+
+def apply_allocator_settings(conf: str | None) -> None:
+    """Use the allocator settings `conf` for simulated devices from now on: the caching devices that
+    follow the process's settings take them now (as torch's setter: for what they reserve afterwards) and
+    so do devices made later. None: back to the process's settings."""
+    global _settings_here
+    _settings_here = conf
+    settings = _named(allocator_settings())
+    for dev in list(_following):
+        if dev.follows_settings and dev.model is not None:
+            with dev._lock:
+                dev.model.configure(settings, strict=False)
+
+
+def _named(settings: str) -> str:
+    """`settings` naming expandable_segments (off where they do not), so that applying them switches it
+    off too: torch's setter keeps expandable_segments where a string does not name it."""
+    from cuda_magic.devices.allocator_conf import conf_value, merge_conf
+
+    if conf_value(settings, "expandable_segments") is None:
+        return merge_conf(settings, expandable_segments=False)
+    return settings
 
 
 @contextmanager
-def simulated_device(capacity, *, index: int = 0):
-    """`with simulated_device("8GiB") as dev:` - tensors created inside count against `dev`."""
+def simulated_device(capacity, *, index: int = 0, allocator: str | None = None, conf: str | None = None):
+    """`with simulated_device("8GiB") as dev:` - tensors created inside count against `dev`. `allocator`
+    and `conf` as for SimulatedDevice ("plain": the storages' bytes; conf: its own allocator settings)."""
     from cuda_magic.units import parse_size
 
     nbytes = parse_size(capacity, allow_fraction=False) if isinstance(capacity, str) else int(capacity)
-    dev = SimulatedDevice(nbytes, index=index)
+    dev = SimulatedDevice(nbytes, index=index, allocator=allocator, conf=conf)
     with dev:
         yield dev
 
@@ -370,3 +685,9 @@ def active_device() -> SimulatedDevice | None:
     """The simulated device counting tensors now (the latest started: `%gpumem --simulate`'s, or one a
     `with simulated_device(...)` block or a guarded run's `-l` started), or None."""
     return _active[-1] if _active else None
+
+
+def empty_caches() -> int:
+    """Give back the cached segments of the simulated devices counting now, as torch.cuda.empty_cache()
+    does on a GPU (the clean-up after an out-of-memory error calls both). Returns the bytes given back."""
+    return sum(dev.empty_cache() for dev in list(_active))

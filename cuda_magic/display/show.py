@@ -60,6 +60,12 @@ def forms_of(obj):
         from cuda_magic.display import blackbox_view as TL
 
         return (lambda: TL.timeline_text(obj), lambda: TL.blackbox_html(obj), None)
+    from cuda_magic.fakerun.prediction import Prediction
+
+    if isinstance(obj, Prediction):
+        from cuda_magic.display import prediction_view as PV
+
+        return (lambda: PV.prediction_text(obj), lambda: PV.prediction_html(obj), None)
     if isinstance(obj, ReleaseReport):
         return (lambda: T.release_text(obj), lambda: H.release_html(obj), None)
     if isinstance(obj, CellRecord):

@@ -12,16 +12,21 @@ _TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
 
 
 class CompiledCell:
-    def __init__(self, shell, cell: str):
+    """`transform(tree)`: a further AST transform (the prediction's loop counters); `display_last=False`:
+    the last expression is run but not displayed (nothing of a fake run lands in Out[N])."""
+
+    def __init__(self, shell, cell: str, *, transform=None, display_last: bool = True):
         self.shell = shell
         self.source = shell.transform_cell(cell)
         self.filename = shell.compile.cache(self.source, _cell_number(shell), raw_code=cell)
         tree = shell.compile.ast_parse(self.source, filename=self.filename)
         tree = shell.transform_ast(tree)
+        if transform is not None:
+            tree = transform(tree)
         body = list(tree.body)
         flags = shell.compile.flags | _TOP_LEVEL_AWAIT
         self.last = None
-        if body and isinstance(body[-1], ast.Expr):
+        if display_last and body and isinstance(body[-1], ast.Expr):
             self.last = compile(ast.Interactive([body.pop()]), self.filename, "single", flags=flags,
                                 dont_inherit=True)
         module = ast.Module(body, type_ignores=[])

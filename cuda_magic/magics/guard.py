@@ -20,6 +20,7 @@ class GuardMagics(Magics):
     @argument("--search", action="store_true", help="with -r: find the largest value that fits (probes, each undone), then run the cell once at it")
     @argument("-a", dest="accumulate", default=None, metavar="VAR2", help="with -r: scale VAR2 so that VAR x VAR2 (the effective batch) stays at least what it was")
     @argument("--exact", action="store_true", help="with -a: VAR only takes divisors of the effective batch, so that VAR x VAR2 equals it exactly")
+    @argument("--predict", action="store_true", help="do not run the cell: predict its peak (and with -r the largest VAR that fits) from a run on fake tensors, touching nothing")
     @argument("--amp", choices=("bf16", "fp16"), default=None, help="run the cell under torch.autocast")
     @argument("-l", dest="limit", default=None, metavar="LIMIT", help="cap memory: 4GiB, 512MB, 64MiB, or a fraction of the capacity (0.25)")
     @argument("-d", dest="device", default=None, metavar="DEVICE", help="the device to measure and cap (0, cuda:1)")
@@ -39,7 +40,12 @@ class GuardMagics(Magics):
         __tracebackhide__ = True  # noqa: F841
         if cell is None:
             return self._switch(line)
-        return self._guard_cell(self._parse(line), cell)
+        args = self._parse(line)
+        if args.predict:
+            from cuda_magic.magics.predict_cell import predict_cell
+
+            return predict_cell(self, args, cell)
+        return self._guard_cell(args, cell)
 
     # %oomguard on|off ------------------------------------------------------------------------------
     def _switch(self, line: str):
@@ -96,7 +102,11 @@ class GuardMagics(Magics):
         """`%%oomguard` on a cell with top-level `await`, awaited by IPython's own async execution
         (magics/awaiting.py routes such cells here)."""
         __tracebackhide__ = True  # noqa: F841
-        cell_run = self._prepare(self._parse(line), cell)
+        args = self._parse(line)
+        if args.predict:
+            raise UsageError("--predict cannot run a cell with top-level await; predict the function it awaits "
+                             "with cuda_magic.predict(...)")
+        cell_run = self._prepare(args, cell)
         try:
             result = await cell_run.run.run_async(cell_run.compiled)
         finally:
@@ -125,7 +135,7 @@ class GuardMagics(Magics):
         retry = self._retry_options(args, ns)
         meter, limit = self._meter(args)
         if args.expandable:
-            self._expandable_segments(args.quiet)
+            self._expandable_segments(args.quiet, meter)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
         options = GuardOptions(retry=retry, limit=limit, amp=args.amp, timeline=timeline,
                                filename=compiled.filename, lines=tuple(compiled.lines),
@@ -142,11 +152,13 @@ class GuardMagics(Magics):
             start_guard_gauge(handle, meter)   # nothing where no gauge can be seen (terminal IPython)
         return GuardedCell(args, compiled, run, handle)
 
-    def _expandable_segments(self, quiet: bool) -> None:
+    def _expandable_segments(self, quiet: bool, meter=None) -> None:
         from cuda_magic.devices.allocator_conf import enable_expandable_segments
 
+        # metered on a simulated device (`-l` without CUDA, `%gpumem --simulate`): its allocator is switched
+        simulated = meter.device if str(getattr(meter, "key", "")).startswith("sim") else None
         try:
-            said = enable_expandable_segments()
+            said = enable_expandable_segments(simulated)
         except RuntimeError as exc:
             raise UsageError(f"--expandable-segments: {exc}") from None
         if not quiet:

@@ -14,6 +14,7 @@ class ExtensionState:
         self.simulated = None               # the SimulatedDevice `%gpumem --simulate` started here
         self.live = None                    # display.gauge.LiveGauge while `%gpumem --live` is on
         self.last_report = None             # the last guarded cell's GuardReport, for `%oomguard last`
+        self.last_prediction = None         # the last `%%oomguard --predict` cell's Prediction
 
     @property
     def history(self) -> list:

@@ -156,18 +156,22 @@ def bytes_by_kind(records, allocated: dict[str, int | None], simulated=None) -> 
     UNSEEN where the allocated bytes exceed what was found.
 
     `simulated`: a SimulatedDevice, whose key counts the storages it tracks (CPU storages, which the CPU's
-    key counts too).
+    key counts too). It knows what each storage holds there (its caching allocator's block): its UNSEEN is
+    the blocks of the storages the census did not find, not the rounding of those it found, so that its
+    split is the CPU's where they are the same storages.
     """
     out = {key: dict.fromkeys(KINDS, 0) for key in allocated}
     sim_key = simulated.key if simulated is not None else None
+    sim_found = 0
     for rec in records:
         key = device_of_record(rec.device)
         if key in out:
             out[key][rec.kind] += rec.nbytes
         if sim_key in out and simulated.counts(rec.storage_id):
             out[sim_key][rec.kind] += rec.nbytes
+            sim_found += simulated.counted(rec.storage_id)
     for key, total in allocated.items():
-        found = sum(out[key].values())
+        found = sim_found if key == sim_key else sum(out[key].values())
         if total is not None and total > found:
             out[key][UNSEEN] = total - found
     return out

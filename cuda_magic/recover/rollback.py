@@ -43,8 +43,11 @@ _IPYTHON_NAMES = ("In", "Out")            # IPython's input and output history: 
 class Checkpoint:
     """`take()` before the first attempt, `restore()` after each attempt to undo, `not_undone()` after."""
 
-    def __init__(self, namespace: dict | None, *, roots=(), keep=(), available: int | None = None):
+    def __init__(self, namespace: dict | None, *, roots=(), keep=(), available: int | None = None,
+                 states: bool = True):
         self.namespace = namespace
+        self.keep_states = states            # False: modules and optimizers are not copied (a fake run,
+                                             # fakerun/, never writes them)
         self.roots = list(roots)
         self.keep = set(keep)                # names never restored: the retried variables
         self.available = available           # host bytes available for the copies; None: read /proc
@@ -68,7 +71,7 @@ class Checkpoint:
             self.lengths = {k: (id(v), len(v)) for k, v in ns.items()
                             if type(v) in _CONTAINERS and not k.startswith("_") and k not in self.keep
                             and k not in _IPYTHON_NAMES}
-        found = stateful_objects(self._root_items())
+        found = stateful_objects(self._root_items()) if self.keep_states else []
         sizes = [(name, obj, state_bytes(obj)) for name, obj in found]
         total = sum(b for _, _, b in sizes)
         available = self.available if self.available is not None else _available_host()

@@ -1,0 +1,318 @@
+"""One fake run of a cell (or a function): its peak on the metered device, by kind and by line, without
+running it for real.
+
+The run enters torch's FakeTensorMode (`allow_non_fake_inputs=True`: the real tensors the cell reads, a
+batch from a DataLoader, are turned into fakes as they are used, never written) and above it the fake
+device (`fakerun/fake_device.py`), which counts every op's fresh outputs. The namespace's modules and
+optimizers are replaced by fake copies for the run (`fakerun/fakes.py`). What the cell does is undone
+afterwards by the caller (`fakerun/planner.py`).
+
+Where it cannot go on:
+- `.item()`, `float(t)`, `bool(t)` (aten._local_scalar_dense, which FakeTensorMode refuses:
+  DataDependentOutputException in torch/_subclasses/fake_impls.py, 2.2 to 2.13) give the value where it
+  is known: a fake tensor made from a Python number keeps it as `.constant` and FakeTensorMode carries it
+  through in-place arithmetic (an optimizer's fresh step counter, `torch.tensor(0.0)` then `+= 1`), and a
+  fake copy's value is its real tensor's (a copied optimizer's step count); elsewhere a stand-in value
+  (0.0 for a float, so that a gradient scaler's found-inf check lets the step run; 1 for an int; False
+  for a bool), so that logging and checks go on; the lines that took one are named;
+- an op whose output's size depends on the data (nonzero, masked_select, unique, boolean indexing:
+  DynamicOutputShapeException), reading a fake tensor's data (`.numpy()`, `.tolist()` past the stand-in),
+  or any other error stops the run: the line that stopped it is named, and the figure covers the cell up
+  to there.
+A loop of training steps stops after the second optimizer step, and a loop at the cell's top level after
+its second iteration (the peak repeats once the optimizer state exists): the result says so.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+import time
+from dataclasses import dataclass, field
+
+from cuda_magic.paths import is_library_file
+
+LOOP_TICK = "_cuda_magic_predict_loop"     # the name the cell's top-level loops call (bound for the run)
+STEPS = 2                                  # optimizer steps, or top-level loop iterations, then stop
+
+
+class Enough(BaseException):
+    """Raised inside the fake run once its steps repeat: a BaseException, so that the cell's own
+    `except Exception` does not swallow it."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass
+class Stop:
+    """Where a fake run could not go on: the cell's line, the innermost user line, and why."""
+
+    line: int | None
+    code: str
+    where: str
+    reason: str
+
+
+@dataclass
+class FakeResult:
+    value: int | None
+    peak: int                            # predicted peak on the device, bytes (the fixed part included)
+    start: int                           # what the device holds before the cell (predicted: now)
+    by_kind: dict[str, int]
+    recorder: object                     # the black box's Recorder of the fake run
+    seconds: float
+    stop: Stop | None = None             # the run did not reach the end of the cell
+    enough: str | None = None            # it stopped on purpose: its steps repeat
+    stand_ins: list[str] = field(default_factory=list)    # lines where .item() took a stand-in
+    notes: list[str] = field(default_factory=list)
+    reserved: int = 0                    # the peak of what the allocator reserved (the caching model's)
+    runs_out: tuple | None = None        # (requested, allocated, reserved): the first request that could
+                                         # not be reserved within the capacity
+
+    @property
+    def complete(self) -> bool:
+        return self.stop is None
+
+    def fits(self, capacity) -> bool:
+        if self.runs_out is not None:
+            return False
+        return capacity is None or self.peak <= capacity     # (what is reserved is given back at the limit)
+
+
+def add_loop_ticks(tree: ast.Module) -> ast.Module:
+    """Each loop at the cell's top level calls LOOP_TICK(n) first in its body (n: which loop)."""
+    for n, node in enumerate(tree.body):
+        if isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+            call = ast.Expr(ast.Call(ast.Name(LOOP_TICK, ast.Load()), [ast.Constant(n)], []))
+            ast.copy_location(call, node.body[0])
+            ast.fix_missing_locations(call)
+            node.body.insert(0, call)
+    return tree
+
+
+class _LoopTicks:
+    def __init__(self):
+        self.counts: dict[int, int] = {}
+
+    def __call__(self, n: int) -> None:
+        count = self.counts[n] = self.counts.get(n, 0) + 1
+        if count > STEPS:
+            raise Enough(f"after {STEPS} iterations of the cell's loop")
+
+
+def _stand_in_mode_class():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch.utils._python_dispatch import _disable_current_modes as disabled
+
+    local_scalar = torch.ops.aten._local_scalar_dense.default
+
+    class StandIns(TorchDispatchMode):
+        """`.item()` on a fake tensor gives a stand-in value (and the line is noted)."""
+
+        def __init__(self, cell_filename, real_of):
+            super().__init__()
+            self.cell_filename = cell_filename
+            self.real_of = real_of            # id(fake copy of a one-element tensor) -> its real value
+            self.lines: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is local_scalar:
+                if id(args[0]) in self.real_of:       # a fake copy: its real tensor's value
+                    return self.real_of[id(args[0])]
+                known = getattr(args[0], "constant", None)
+                if known is not None and not getattr(known, "is_meta", True):
+                    with disabled():                  # read outside the fake mode, which would fake it
+                        return known.item()
+                dtype = args[0].dtype
+                where = _user_line(sys._getframe(1), self.cell_filename)
+                if where not in self.lines:
+                    self.lines.append(where)
+                if dtype is torch.bool:
+                    return False
+                return 0.0 if (dtype.is_floating_point or dtype.is_complex) else 1
+            return func(*args, **(kwargs or {}))
+
+    return StandIns
+
+
+def _user_line(frame, cell_filename) -> str:
+    """'line N' of the cell (or 'file:line' of the innermost user code) running in `frame` or a caller."""
+    inner = None
+    f = frame
+    while f is not None:
+        filename = f.f_code.co_filename
+        if cell_filename is not None and filename == cell_filename:
+            return f"line {f.f_lineno}"
+        if inner is None and not is_library_file(filename) and "cuda_magic" not in filename:
+            inner = f"{filename}:{f.f_lineno}"
+        f = f.f_back
+    return inner or "?"
+
+
+def stop_of(exc: BaseException, cell_filename: str | None, lines) -> Stop:
+    """Where in the cell (and in the user's code) an error stopped the fake run, and why, in words."""
+    cell_line, where = None, ""
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if cell_filename is not None and filename == cell_filename:
+            cell_line = tb.tb_lineno
+        elif not is_library_file(filename) and "cuda_magic" not in filename:
+            where = f"{filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    code = ""
+    if cell_line is not None and lines and 0 < cell_line <= len(lines):
+        code = lines[cell_line - 1].strip()
+    return Stop(cell_line, code, where, _reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if name == "DynamicOutputShapeException":
+        op = str(exc.args[0]) if exc.args else "an op"
+        return f"{op.split('.')[-2] if op.count('.') >= 2 else op}: its output's size depends on the data"
+    if name == "DataDependentOutputException":
+        return "it reads the data of a tensor, which a fake tensor does not have"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "data pointer" in text or "Cannot access data" in text or "numpy" in text.lower():
+        return f"it reads a tensor's data ({name}: {text[:120]})"
+    return f"{name}: {text[:160]}" if text else name
+
+
+class FakeRunner:
+    """Runs `call()` once on fake tensors, metered as the meter would: `run(value)` -> FakeResult. items:
+    ((index, name), value) to copy; the copy of each is bound as `binds[index][name]` (the namespace, a
+    function's arguments or globals): the caller undoes that.
+
+    device: the torch.device the meter counts; key: its key; real_allocated(): what it holds now;
+    counts(tensor): whether the meter counts that real tensor's storage; amp: --amp."""
+
+    def __init__(self, call, *, device, key, real_allocated: int, counts, items, binds, amp=None, autocast=None,
+                 cell_filename=None, lines=None, capacity=None, allocator="plain", conf=None, template=None):
+        self.call, self.device, self.key = call, device, key
+        self.real_allocated, self.counts = real_allocated, counts
+        self.items, self.binds = items, binds
+        self.amp, self.autocast = amp, autocast
+        self.cell_filename, self.lines = cell_filename, lines
+        self.capacity, self.allocator, self.conf = capacity, allocator, conf
+        self.template = template          # the simulated device metered: its allocator is copied
+
+    def run(self, value=None) -> FakeResult:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from cuda_magic.devices.recorder import Recorder
+        from cuda_magic.fakerun.fake_device import FakeDevice, KindTally
+        from cuda_magic.fakerun.fakes import FakeCopies
+
+        t0 = time.perf_counter()
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        copies = FakeCopies(self.items, fake_mode)
+        fixed = max(0, self.real_allocated - copies.real_bytes(self.counts))
+        device = FakeDevice(self.device, key=self.key, fixed=fixed, capacity=self.capacity,
+                            allocator=self.allocator, conf=self.conf, template=self.template)
+        tally = KindTally()
+        copies.hold(device, self.counts)
+        device.start_peaks()
+        start = device.allocated
+        recorder = Recorder(cell_filename=self.cell_filename)
+        device.attach_recorder(tally)
+        device.attach_recorder(recorder)
+        copies.label(tally)
+        for (index, name), fake in copies.copies.items():
+            self.binds[index][name] = fake
+        self.binds[0][LOOP_TICK] = _LoopTicks()
+        hooks = _Hooks(tally, copies)
+        stand_ins = _stand_in_mode_class()(self.cell_filename, copies.values)
+        stop = enough = None
+        try:
+            with hooks, fake_mode, device, stand_ins, self.autocast():
+                try:
+                    self.call()
+                except Enough as done:
+                    enough = done.why
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:      # noqa: BLE001 - any error ends the fake run: said below
+                    stop = stop_of(exc, self.cell_filename, self.lines)
+                    exc.__traceback__ = None
+                    del exc
+            enough = enough or hooks.enough
+        finally:
+            device.detach_recorder(recorder)
+            device.detach_recorder(tally)
+        built = [v for m in self.binds for v in list(m.values()) if isinstance(v, torch.nn.Module)]
+        for module in [*copies.modules(), *built]:   # a model the cell built: its parameters; gradients
+            for p in module.parameters():             # kept (zero_grad(set_to_none=False))
+                tally.label_tensor(p, "parameters")
+                if p.grad is not None:
+                    tally.label_tensor(p.grad, "gradients")
+        notes = list(copies.notes)
+        result = FakeResult(value, device.peak, start, tally.peak_by_kind(), recorder,
+                            time.perf_counter() - t0, stop, enough, list(stand_ins.lines), notes,
+                            reserved=device.peak_reserved, runs_out=device.runs_out)
+        device.forget()
+        return result
+
+
+class _Hooks:
+    """While a fake run goes: optimizer steps and module calls are followed (the kind of what they make),
+    gradients are labelled as autograd accumulates them, and the run ends after the second step."""
+
+    def __init__(self, tally, copies):
+        self.tally, self.copies = tally, copies
+        self.handles = []
+        self.steps: dict[int, int] = {}
+        self.enough = None
+
+    def __enter__(self):
+        import torch
+        from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
+
+        tally = self.tally
+
+        def step_pre(opt, args, kwargs):
+            tally.in_step += 1
+            for group in opt.param_groups:        # the gradients the step reads are gradients
+                for p in group["params"]:
+                    if p.grad is not None:
+                        tally.label_tensor(p.grad, "gradients")
+
+        def step_post(opt, args, kwargs):
+            tally.in_step = max(0, tally.in_step - 1)
+            count = self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
+            if count >= STEPS:
+                self.enough = f"after {STEPS} optimizer steps"
+                raise Enough(self.enough)
+
+        def forward_pre(module, args):
+            tally.in_module += 1
+
+        def forward_post(module, args, output):
+            tally.in_module = max(0, tally.in_module - 1)
+
+        def accumulated(p):
+            if p.grad is not None:
+                tally.label_tensor(p.grad, "gradients")
+
+        self.handles = [optimizer_hooks.register_optimizer_step_pre_hook(step_pre),
+                        optimizer_hooks.register_optimizer_step_post_hook(step_post),
+                        module_hooks.register_module_forward_pre_hook(forward_pre),
+                        module_hooks.register_module_forward_hook(forward_post)]
+        for module in self.copies.modules():
+            for p in module.parameters():
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(accumulated))
+        del torch
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.tally.in_step = self.tally.in_module = 0
+        return False

@@ -1,0 +1,50 @@
+"""`%%oomguard --predict`: the cell's memory predicted before it runs, from fake runs (fakerun/), with the
+cell's usual options: -r VAR [--min N] [-a VAR2 [--exact]] for the largest value that fits, --amp, -l and
+-d for the device to plan for, -o for the prediction object. The cell is not run for real."""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+
+
+def predict_cell(magics, args, cell: str):
+    """Check the options, run the prediction, show it; the Prediction with -o, else None."""
+    from cuda_magic.devices.meter import SimMeter, autocast, available_memory, capacity_of
+    from cuda_magic.devices.simulated import SimulatedDevice
+    from cuda_magic.display.show import show
+    from cuda_magic.magics.cell import CompiledCell
+    from cuda_magic.fakerun.fake_run import add_loop_ticks
+    from cuda_magic.fakerun.planner import Planner
+
+    if args.no_raise or args.timeline or args.no_timeline:
+        flag = "--no-raise" if args.no_raise else ("--timeline" if args.timeline else "--no-timeline")
+        raise UsageError(f"{flag} is for a cell that runs; --predict runs nothing on the device (drop {flag})")
+    shell = magics.shell
+    ns = shell.user_ns
+    retry = magics._retry_options(args, ns)
+    meter, limit = magics._meter(args)
+    notes = []
+    if meter.key == "cpu":         # no GPU, no simulated device, no cap: plan for this machine's memory
+        meter = SimMeter(SimulatedDevice(available_memory() or (1 << 40), name="this machine's memory"),
+                         temporary=True)
+        notes.append("no GPU and no simulated device here: predicted against this machine's available memory "
+                     "(plan for a GPU with -l 16GiB, or %gpumem --simulate 16GiB)")
+    if args.expandable:
+        magics._expandable_segments(args.quiet)
+    capacity = limit if limit is not None else capacity_of(meter)
+    compiled = CompiledCell(shell, cell, transform=add_loop_ticks, display_last=False)
+    if compiled.is_async:
+        raise UsageError("--predict cannot run a cell with top-level await; predict the function it awaits "
+                         "with cuda_magic.predict(...)")
+    name = meter.device.name if meter.key.startswith("sim") else ""
+    planner = Planner(meter, compiled, capacity=capacity, limited=limit is not None, bind=ns, namespace=ns,
+                      retry=retry, amp=args.amp, autocast=lambda: autocast(args.amp, meter),
+                      cell_filename=compiled.filename, lines=tuple(compiled.lines), device_name=name)
+    from IPython.utils.capture import capture_output
+
+    with capture_output(display=True):        # what the fake run prints or displays is not the cell's
+        prediction = planner.predict()
+    prediction.notes[:0] = notes
+    magics.cuda_magic_state.last_prediction = prediction
+    if not args.quiet or prediction.fits is False:
+        show(prediction)
+    return prediction if args.output else None
