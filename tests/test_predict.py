@@ -205,3 +205,14 @@ def test_the_python_api_predicts_a_function_with_its_arguments_and_globals(tip):
     assert p.largest is not None and p.largest > 256
     assert ns["opt"].state == {}
     assert "batch_size=" in str(p)
+
+
+def test_a_loop_that_ends_on_a_tensors_value_stops_and_does_not_say_it_fits_or_not(mlp):
+    """generate's loop ends when `unfinished_sequences.max() == 0`: on fakes that is a stand-in, so it
+    would never end; the run stops after MAX_STAND_INS and the figure is no bound either way."""
+    cell = ("def spin():\n    x = torch.zeros(bs)\n    while not bool((x > 1).all()):\n        x = x + 1\n"
+            "    return x\nout = spin()\n")
+    p = predict(mlp, "", cell)
+    assert not p.complete and p.endless and p.fits is None and p.stop_line == 3   # (the cell line running)
+    text = str(p)
+    assert "not known whether it fits" in text and "does not say whether the cell fits" in text

@@ -48,7 +48,8 @@ def headline(p) -> str:
         if p.fits is False:
             return (f"{head}{_at(p)}: will not fit on {_on(p)}: at least {format_bytes(p.peak)}{_reserved(p)} "
                     f"of {_against(p)} {covered}")
-        return f"{head}{_at(p)}: not known whether it fits on {_on(p)}: at least {format_bytes(p.peak)} {covered}"
+        reached = "reached" if p.endless else "at least"
+        return f"{head}{_at(p)}: not known whether it fits on {_on(p)}: {reached} {format_bytes(p.peak)} {covered}"
     if p.capacity is None:
         return f"{head}{_at(p)}: peak {format_bytes(p.peak)}{_reserved(p)} on {_on(p)}"
     if p.fits:
@@ -69,6 +70,9 @@ def stop_words(p) -> str | None:
     where = f"line {p.stop_line}" if p.stop_line else "a line it could not place"
     code = f" `{p.stop_code}`" if p.stop_code else ""
     inner = f" (in {p.stop_where})" if p.stop_where else ""
+    if p.endless:
+        return (f"The fake run stopped at {where}{code}{inner}: {p.stop_reason}. Its figure is what it reached "
+                "by then, more steps of that loop than a real run may take: it does not say whether the cell fits.")
     return (f"The fake run stopped at {where}{code}{inner}: {p.stop_reason}. The figure covers the cell up to "
             "there, not what comes after.")
 

@@ -35,6 +35,15 @@ LOOP_TICK = "_cuda_magic_predict_loop"     # the name the cell's top-level loops
 STEPS = 2                                  # optimizer steps, or top-level loop iterations, then stop
 
 
+MAX_STAND_INS = 1000                       # stand-in values in one run: past this, a loop ends on data
+MAX_SECONDS = 120.0                        # one fake run at most
+
+
+class Endless(BaseException):
+    """Raised when a fake run seems not to end: a loop whose end is a tensor's value (generate's
+    `unfinished_sequences.max() == 0`) sees only stand-ins, or the run takes too long."""
+
+
 class Enough(BaseException):
     """Raised inside the fake run once its steps repeat: a BaseException, so that the cell's own
     `except Exception` does not swallow it."""
@@ -52,6 +61,7 @@ class Stop:
     code: str
     where: str
     reason: str
+    endless: bool = False
 
 
 @dataclass
@@ -117,9 +127,17 @@ def _stand_in_mode_class():
             self.cell_filename = cell_filename
             self.real_of = real_of            # id(fake copy of a one-element tensor) -> its real value
             self.lines: list[str] = []
+            self.count = 0
+            self.deadline = time.perf_counter() + MAX_SECONDS
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is local_scalar:
+                self.count += 1
+                if self.count > MAX_STAND_INS or time.perf_counter() > self.deadline:
+                    raise Endless(f"it took {self.count} stand-in values for `.item()`: a loop that ends on a "
+                                  "tensor's value (generate's check for finished sequences) cannot end on "
+                                  "fake tensors" if self.count > MAX_STAND_INS else
+                                  f"it ran past {MAX_SECONDS:.0f} s")
                 if id(args[0]) in self.real_of:       # a fake copy: its real tensor's value
                     return self.real_of[id(args[0])]
                 known = getattr(args[0], "constant", None)
@@ -166,11 +184,13 @@ def stop_of(exc: BaseException, cell_filename: str | None, lines) -> Stop:
     code = ""
     if cell_line is not None and lines and 0 < cell_line <= len(lines):
         code = lines[cell_line - 1].strip()
-    return Stop(cell_line, code, where, _reason(exc))
+    return Stop(cell_line, code, where, _reason(exc), isinstance(exc, Endless))
 
 
 def _reason(exc: BaseException) -> str:
     name = type(exc).__name__
+    if isinstance(exc, Endless):
+        return str(exc)
     if name == "DynamicOutputShapeException":
         op = str(exc.args[0]) if exc.args else "an op"
         return f"{op.split('.')[-2] if op.count('.') >= 2 else op}: its output's size depends on the data"

@@ -127,6 +127,7 @@ class Planner:
             start=result.start, peak=result.peak, by_kind=result.by_kind, blackbox=box,
             complete=result.complete, stop_line=stop.line if stop else None, stop_code=stop.code if stop else "",
             stop_where=stop.where if stop else "", stop_reason=stop.reason if stop else "",
+            endless=bool(stop and stop.endless),
             enough=result.enough, stand_ins=result.stand_ins,
             variable=retry.variable if retry else None, accumulate=retry.accumulate if retry else None,
             value=value, accumulation=accumulation, amp=self.amp, allocator=_allocator_words(self.meter),

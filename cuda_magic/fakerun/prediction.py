@@ -44,6 +44,8 @@ class Prediction(Rendered):
     stop_code: str = ""                    # innermost user line, and why
     stop_where: str = ""
     stop_reason: str = ""
+    endless: bool = False                  # it stopped in a loop that never ends on fakes: its figure is
+                                           # what it reached, neither a bound above nor below
     enough: str | None = None              # it stopped on purpose once its steps repeated: after what
     stand_ins: list[str] = field(default_factory=list)   # lines where .item() took a stand-in value
     variable: str | None = None
@@ -68,6 +70,8 @@ class Prediction(Rendered):
     def fits(self) -> bool | None:
         """Whether the cell at its value now fits (None: no capacity to compare with, or the run stopped
         before the end and what it reached fits: not known)."""
+        if self.endless:
+            return None
         if self.runs_out is not None:
             return False
         if self.capacity is None:
