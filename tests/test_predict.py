@@ -216,3 +216,17 @@ def test_a_loop_that_ends_on_a_tensors_value_stops_and_does_not_say_it_fits_or_n
     assert not p.complete and p.endless and p.fits is None and p.stop_line == 3   # (the cell line running)
     text = str(p)
     assert "not known whether it fits" in text and "does not say whether the cell fits" in text
+
+
+def test_a_cell_through_a_shuffling_dataloader_is_predicted_to_the_byte(mlp):
+    """RandomSampler's `torch.randperm(n).tolist()` is an order, not memory: it runs for real, so the
+    loop goes on (with stand-ins it would take thousands and never end)."""
+    run_ok(mlp, "from torch.utils.data import DataLoader, TensorDataset\n"
+                "data = TensorDataset(torch.randn(4096, 256), torch.randint(0, 10, (4096,)))")
+    cell = ("loader = DataLoader(data, batch_size=bs, shuffle=True)\nfor xb, yb in loader:\n"
+            "    loss = torch.nn.functional.cross_entropy(model(xb), yb)\n    loss.backward()\n"
+            "    opt.step(); opt.zero_grad()\n")
+    p = predict(mlp, "", cell)
+    assert p.complete and p.enough == "after 2 optimizer steps"
+    real = measured(mlp, "", cell)
+    assert abs(p.peak - real.peaks["sim:0"]) <= 0.05 * real.peaks["sim:0"], (p.peak, real.peaks)

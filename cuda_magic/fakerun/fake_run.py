@@ -117,7 +117,12 @@ def _stand_in_mode_class():
 
     from torch.utils._python_dispatch import _disable_current_modes as disabled
 
+    from torch._subclasses.fake_tensor import FakeTensor as fake_type
+
     local_scalar = torch.ops.aten._local_scalar_dense.default
+    cpu = torch.device("cpu")
+    index_ops = {getattr(torch.ops.aten.randperm, name) for name in ("default", "generator")
+                 if hasattr(torch.ops.aten.randperm, name)}
 
     class StandIns(TorchDispatchMode):
         """`.item()` on a fake tensor gives a stand-in value (and the line is noted)."""
@@ -131,6 +136,12 @@ def _stand_in_mode_class():
             self.deadline = time.perf_counter() + MAX_SECONDS
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in index_ops and (kwargs or {}).get("device") in (None, cpu):
+                with disabled():                  # a sampler's order (DataLoader(shuffle=True)): real, in
+                    return func(*args, **(kwargs or {}))   # host memory, so that its .tolist() is real
+            if func is local_scalar and not isinstance(args[0], fake_type):
+                with disabled():
+                    return args[0].item()
             if func is local_scalar:
                 self.count += 1
                 if self.count > MAX_STAND_INS or time.perf_counter() > self.deadline:
