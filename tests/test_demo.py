@@ -101,17 +101,6 @@ def test_demo_retry_finds_a_batch_and_keeps_the_effective_batch(executed):
     assert "fits" in attempts and "out of memory" in attempts
 
 
-def test_demo_plans_a_batch_for_a_smaller_device_without_running(executed):
-    nb, _ = executed
-    text = _text(_outputs(nb, "%%oomguard --predict"))
-    assert "Predicted at batch_size = " in text and "the 32.00 MiB cap" in text, text
-    m = re.search(r"Largest batch_size that fits: (\d+), with accum_steps = (\d+) \(effective batch (\d+)", text)
-    assert m, text
-    batch, accum, effective = map(int, m.groups())
-    assert batch * accum == effective and effective >= 16384
-    assert "Nothing ran on the device" in text
-
-
 def test_demo_freecuda_deletes_the_leaking_names(executed):
     nb, _ = executed
     text = _text(_outputs(nb, "%freecuda losses"))
