@@ -194,10 +194,9 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
     that the effective batch stays at least what it was (`exact=True`: a divisor of it). `limit` ("16GiB",
     a fraction) and `device` choose what to fit in, as for `oomguard`; `amp` ('bf16', 'fp16') predicts
     under torch.autocast."""
-    from cuda_magic.devices.meter import SimMeter, available_memory, capacity_of
     from cuda_magic.devices.meter import autocast as autocast_for
-    from cuda_magic.devices.simulated import SimulatedDevice
-    from cuda_magic.fakerun.planner import Planner
+    from cuda_magic.devices.meter import capacity_of
+    from cuda_magic.fakerun.planner import Planner, prediction_meter
     from cuda_magic.recover.guarded import RetrySpec
 
     guard = oomguard(retry, min=min, accumulate=accumulate, limit=limit, amp=amp, device=device, exact=exact)
@@ -217,8 +216,7 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
             raise ValueError(f"{retry}={arguments[retry]} is already below min={min}")
         spec = RetrySpec(retry, accumulate, min, False, exact)
     meter, cap = guard._choose_meter()
-    if meter.key == "cpu":
-        meter = SimMeter(SimulatedDevice(available_memory() or (1 << 40), name="this machine's memory"), temporary=True)
+    meter, note = prediction_meter(meter)
     code = getattr(fn, "__code__", None)
     named = set(code.co_names) if code is not None else set()
     globals_ = getattr(fn, "__globals__", None)
@@ -227,4 +225,7 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
                       more=[(globals_, named)] if globals_ is not None else [], namespace=None, retry=spec, amp=amp,
                       autocast=lambda: autocast_for(amp, meter), api=True,
                       device_name=meter.device.name if meter.key.startswith("sim") else "")
-    return planner.predict()
+    prediction = planner.predict()
+    if note:
+        prediction.notes.insert(0, note)
+    return prediction

@@ -62,7 +62,6 @@ def test_nothing_the_cell_does_stays_and_the_device_is_not_touched(mlp):
     before = {k: ns[k] for k in ("model", "opt", "losses", "bs")}
     weights = [t.clone() for t in ns["model"].state_dict().values()]
     rng = ns["torch"].get_rng_state().clone()
-    device = mlp.run_line_magic("gpumem", "-o") if False else None   # noqa: F841 - (read below instead)
     from cuda_magic.devices.simulated import active_device
 
     sim = active_device()

@@ -8,6 +8,7 @@ from html import escape
 
 from cuda_magic.display.blackbox_view import timeline_html, timeline_text
 from cuda_magic.display.elements import BAR, CODE, MUTED, OUTCOME_COLORS, box
+from cuda_magic.display.html import rich
 from cuda_magic.display.layout import percentages
 from cuda_magic.fakerun.fake_device import KINDS
 from cuda_magic.units import format_bytes
@@ -147,13 +148,6 @@ def prediction_text(p) -> str:
 
 # ---- HTML ------------------------------------------------------------------------------------------
 
-def _rich(text: str) -> str:
-    parts = escape(text).split("`")
-    if len(parts) % 2 == 0:
-        return escape(text)
-    return "".join(f'<code style="{CODE}">{s}</code>' if i % 2 else s for i, s in enumerate(parts))
-
-
 def kinds_html(p) -> str:
     items = [(k, p.by_kind[k]) for k in KINDS if p.by_kind.get(k)]
     if not items:
@@ -174,10 +168,10 @@ def prediction_html(p) -> str:
     fits = p.fits
     mark = OUTCOME_COLORS["ok"] if fits else (OUTCOME_COLORS["oom"] if fits is False else OUTCOME_COLORS["interrupted"])
     parts = [f'<div class="cuda-magic-headline" style="font-weight:600;border-left:4px solid {mark};'
-             f'padding-left:6px">{_rich(headline(p))}</div>']
+             f'padding-left:6px">{rich(headline(p))}</div>']
     stop = stop_words(p)
     if stop:
-        parts.append(f"<div>{_rich(stop)}</div>")
+        parts.append(f"<div>{rich(stop)}</div>")
     largest = largest_words(p)
     if largest:
         paste = (f'<div><code style="{CODE}">{escape(largest[1])}</code></div>' if largest[1] else "")
@@ -185,6 +179,6 @@ def prediction_html(p) -> str:
     parts.append(kinds_html(p))
     if p.blackbox is not None and p.blackbox.by_line:
         parts.append(timeline_html(p.blackbox, rows=TOP_LINES, failing=False))
-    parts += [f'<div style="{MUTED}">{_rich(w)}</div>' for w in cover_words(p)]
+    parts += [f'<div style="{MUTED}">{rich(w)}</div>' for w in cover_words(p)]
     return box("".join(parts), "cuda-magic-prediction")
 

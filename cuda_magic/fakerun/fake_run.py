@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from cuda_magic.fakerun.fake_device import GRADIENTS, PARAMETERS
 from cuda_magic.paths import is_library_file
 
 LOOP_TICK = "_cuda_magic_predict_loop"     # the name the cell's top-level loops call (bound for the run)
@@ -219,14 +220,15 @@ class FakeRunner:
     function's arguments or globals): the caller undoes that.
 
     device: the torch.device the meter counts; key: its key; real_allocated(): what it holds now;
-    counts(tensor): whether the meter counts that real tensor's storage; amp: --amp."""
+    counts(tensor): whether the meter counts that real tensor's storage; autocast(): the
+    context of --amp."""
 
-    def __init__(self, call, *, device, key, real_allocated: int, counts, items, binds, amp=None, autocast=None,
+    def __init__(self, call, *, device, key, real_allocated: int, counts, items, binds, autocast=None,
                  cell_filename=None, lines=None, capacity=None, allocator="plain", conf=None, template=None):
         self.call, self.device, self.key = call, device, key
         self.real_allocated, self.counts = real_allocated, counts
         self.items, self.binds = items, binds
-        self.amp, self.autocast = amp, autocast
+        self.autocast = autocast
         self.cell_filename, self.lines = cell_filename, lines
         self.capacity, self.allocator, self.conf = capacity, allocator, conf
         self.template = template          # the simulated device metered: its allocator is copied
@@ -278,9 +280,9 @@ class FakeRunner:
         built = [v for m in self.binds for v in list(m.values()) if isinstance(v, torch.nn.Module)]
         for module in [*copies.modules(), *built]:   # a model the cell built: its parameters; gradients
             for p in module.parameters():             # kept (zero_grad(set_to_none=False))
-                tally.label_tensor(p, "parameters")
+                tally.label_tensor(p, PARAMETERS)
                 if p.grad is not None:
-                    tally.label_tensor(p.grad, "gradients")
+                    tally.label_tensor(p.grad, GRADIENTS)
         notes = list(copies.notes)
         result = FakeResult(value, device.peak, start, tally.peak_by_kind(), recorder,
                             time.perf_counter() - t0, stop, enough, list(stand_ins.lines), notes,
@@ -311,7 +313,7 @@ class _Hooks:
             for group in opt.param_groups:        # the gradients the step reads are gradients
                 for p in group["params"]:
                     if p.grad is not None:
-                        tally.label_tensor(p.grad, "gradients")
+                        tally.label_tensor(p.grad, GRADIENTS)
 
         def step_post(opt, args, kwargs):
             tally.in_step = max(0, tally.in_step - 1)
@@ -328,7 +330,7 @@ class _Hooks:
 
         def accumulated(p):
             if p.grad is not None:
-                tally.label_tensor(p.grad, "gradients")
+                tally.label_tensor(p.grad, GRADIENTS)
 
         self.handles = [optimizer_hooks.register_optimizer_step_pre_hook(step_pre),
                         optimizer_hooks.register_optimizer_step_post_hook(step_post),

@@ -27,6 +27,20 @@ FLAT = 0.001               # peaks that differ by less than this share do not de
 _CONTAINERS = (list, dict, set, bytearray)
 
 
+def prediction_meter(meter):
+    """(meter, note): the meter to predict on. On the CPU (no GPU, no simulated device, no cap) a simulated
+    device of this machine's available memory, counting what exists, with a note that says so."""
+    if meter.key != "cpu":
+        return meter, None
+    from cuda_magic.devices.meter import SimMeter, available_memory
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    device = SimulatedDevice(available_memory() or (1 << 40), name="this machine's memory")
+    return SimMeter(device, temporary=True), (
+        "no GPU and no simulated device here: predicted against this machine's available memory (plan for a "
+        "GPU with -l 16GiB, or %gpumem --simulate 16GiB)")
+
+
 def target_of(meter):
     """(torch.device the meter counts, counts(tensor): whether it counts that real tensor's storage)."""
     import torch
@@ -81,7 +95,7 @@ class Planner:
         items = [((i, n), v) for i, (m, names) in enumerate(sources) for n, v in list(m.items())
                  if not n.startswith("_") and (names is None or n in names)]
         runner = FakeRunner(self.call, device=target, key=self.meter.key, real_allocated=int(self.meter.allocated() or 0),
-                            counts=counts, items=to_copy(items), binds=[m for m, _ in sources], amp=self.amp,
+                            counts=counts, items=to_copy(items), binds=[m for m, _ in sources],
                             autocast=self.autocast, cell_filename=self.cell_filename, lines=self.lines,
                             capacity=self.capacity, **_allocator_of(self.meter))
         try:

@@ -8,12 +8,11 @@ from IPython.core.error import UsageError
 
 def predict_cell(magics, args, cell: str):
     """Check the options, run the prediction, show it; the Prediction with -o, else None."""
-    from cuda_magic.devices.meter import SimMeter, autocast, available_memory, capacity_of
-    from cuda_magic.devices.simulated import SimulatedDevice
+    from cuda_magic.devices.meter import autocast, capacity_of
     from cuda_magic.display.show import show
     from cuda_magic.magics.cell import CompiledCell
     from cuda_magic.fakerun.fake_run import add_loop_ticks
-    from cuda_magic.fakerun.planner import Planner
+    from cuda_magic.fakerun.planner import Planner, prediction_meter
 
     if args.no_raise or args.timeline or args.no_timeline:
         flag = "--no-raise" if args.no_raise else ("--timeline" if args.timeline else "--no-timeline")
@@ -22,12 +21,7 @@ def predict_cell(magics, args, cell: str):
     ns = shell.user_ns
     retry = magics._retry_options(args, ns)
     meter, limit = magics._meter(args)
-    notes = []
-    if meter.key == "cpu":         # no GPU, no simulated device, no cap: plan for this machine's memory
-        meter = SimMeter(SimulatedDevice(available_memory() or (1 << 40), name="this machine's memory"),
-                         temporary=True)
-        notes.append("no GPU and no simulated device here: predicted against this machine's available memory "
-                     "(plan for a GPU with -l 16GiB, or %gpumem --simulate 16GiB)")
+    meter, note = prediction_meter(meter)
     if args.expandable:
         magics._expandable_segments(args.quiet)
     capacity = limit if limit is not None else capacity_of(meter)
@@ -43,7 +37,8 @@ def predict_cell(magics, args, cell: str):
 
     with capture_output(display=True):        # what the fake run prints or displays is not the cell's
         prediction = planner.predict()
-    prediction.notes[:0] = notes
+    if note:
+        prediction.notes.insert(0, note)
     magics.cuda_magic_state.last_prediction = prediction
     if not args.quiet or prediction.fits is False:
         show(prediction)
