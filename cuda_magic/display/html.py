@@ -113,17 +113,23 @@ def _kinds_bar(segments: list[tuple[str, int]], total: int) -> str:
     return f'<div class="cuda-magic-kinds-bar" style="{BAR}">{divs}</div>'
 
 
+def legend_items_html(entries: list[tuple[str, str, int]]) -> str:
+    """A legend: a swatch, the label, the bytes and the share of the total, for each (label, colour, bytes)."""
+    total = sum(b for _, _, b in entries) or 1
+    return "".join(
+        f'<span style="margin-right:14px;white-space:nowrap"><span style="display:inline-block;width:10px;'
+        f'height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;background:{color}">'
+        f'</span>{escape(label)} <b>{format_bytes(b)}</b><span style="{MUTED}"> '
+        f'{100.0 * b / total:.1f}%</span></span>' for label, color, b in entries)
+
+
 def kinds_html(key: str, kinds: dict[str, int], title: str = "By kind") -> str:
     """One device's tensors by kind: the stacked bar and a legend with each kind's bytes and share."""
     segments = kind_segments(kinds)
     if not segments:
         return ""
     total = sum(b for _, b in segments)
-    items = "".join(
-        f'<span style="margin-right:14px;white-space:nowrap"><span style="display:inline-block;width:10px;'
-        f'height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;background:{KIND_COLORS[k]}">'
-        f'</span>{escape(KIND_LABELS[k])} <b>{format_bytes(b)}</b><span style="{MUTED}"> '
-        f'{100.0 * b / total:.1f}%</span></span>' for k, b in segments)
+    items = legend_items_html([(KIND_LABELS[k], KIND_COLORS[k], b) for k, b in segments])
     return (f'<div class="cuda-magic-kinds" style="margin:6px 0 10px 0"><div><b>{escape(title)}</b> on '
             f'{escape(key)} <span style="{MUTED}">· {format_bytes(total)} in PyTorch\'s tensors</span></div>'
             f'{_kinds_bar(segments, total)}<div class="cuda-magic-kinds-legend">{items}</div></div>')

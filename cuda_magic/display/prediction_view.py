@@ -8,7 +8,7 @@ from html import escape
 
 from cuda_magic.display.blackbox_view import timeline_html, timeline_text
 from cuda_magic.display.elements import BAR, CODE, MUTED, OUTCOME_COLORS, box
-from cuda_magic.display.html import rich
+from cuda_magic.display.html import legend_items_html, rich
 from cuda_magic.display.layout import percentages
 from cuda_magic.fakerun.fake_device import KINDS
 from cuda_magic.units import format_bytes
@@ -152,14 +152,9 @@ def kinds_html(p) -> str:
     items = [(k, p.by_kind[k]) for k in KINDS if p.by_kind.get(k)]
     if not items:
         return ""
-    total = sum(b for _, b in items)
     divs = "".join(f'<div title="{escape(k)}: {format_bytes(b)}" style="width:{w}%;background:{KIND_COLORS[k]};'
                    f'height:100%"></div>' for (k, b), w in zip(items, percentages([b for _, b in items])))
-    legend = "".join(
-        f'<span style="margin-right:14px;white-space:nowrap"><span style="display:inline-block;width:10px;'
-        f'height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;background:{KIND_COLORS[k]}"></span>'
-        f'{escape(k)} <b>{format_bytes(b)}</b><span style="{MUTED}"> {100.0 * b / total:.1f}%</span></span>'
-        for k, b in items)
+    legend = legend_items_html([(k, KIND_COLORS[k], b) for k, b in items])
     return (f'<div class="cuda-magic-predicted-kinds" style="margin:6px 0"><b>At the peak</b>'
             f'<div style="{BAR}">{divs}</div><div>{legend}</div></div>')
 
