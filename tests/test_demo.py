@@ -146,3 +146,21 @@ def test_demo_first_cell_installs_and_enables_widgets_only_in_colab():
     assert not any("pip" in line or "google" in line for line in outside)
     name = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert f"install -q {name}" in body
+
+
+def test_demo_plans_a_batch_for_a_smaller_device_and_changes_nothing(executed):
+    nb, _ = executed
+    text = _text(_outputs(nb, "%%oomguard --predict"))
+    flat = " ".join(text.split())
+    assert flat.startswith("Predicted at batch_size = "), flat[:200]
+    assert "of the 32.00 MiB cap" in flat
+    found = re.search(r"Largest batch_size that fits: (\d+), with accum_steps = (\d+) \(effective batch (\d+), "
+                      r"was (\d+)\)", flat)
+    assert found, flat
+    batch, accum, effective, was = map(int, found.groups())
+    assert batch * accum == effective >= was and 0 < batch < was
+    assert "parameters" in flat and "optimizer state" in flat and "activations" in flat
+    assert "Nothing ran on the device" in flat
+    still = re.search(r"still batch_size=(\d+), accum_steps=(\d+)", _text(_outputs(nb, 'print(f"still')))
+    retried = re.search(r"batch_size=(\d+), accum_steps=(\d+)", _text(_outputs(nb, 'print(f"batch_size=')))
+    assert still and retried and still.groups() == retried.groups()     # the prediction changed no name

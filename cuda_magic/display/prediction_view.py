@@ -119,10 +119,11 @@ def cover_words(p) -> list[str]:
     if p.amp:
         out.append(f"Under torch.autocast ({p.amp}).")
     out.append(f"Counts {p.allocator}.")
+    out += list(p.notes)
     runs = len(p.runs)
     out.append(f"Nothing ran on the device: {runs} fake run{'s' if runs != 1 else ''} on fake tensors, "
                f"{p.seconds:.2f} s; nothing the cell did stays.")
-    return out + list(p.notes)
+    return out
 
 
 # ---- text ------------------------------------------------------------------------------------------

@@ -93,7 +93,12 @@ class FakeCopies:
             grad = getattr(real, "grad", None)
             if grad is not None and isinstance(fake, torch.Tensor) and fake.grad is None:
                 try:
-                    fake.grad = fake_mode.from_tensor(grad, static_shapes=True)
+                    # a fresh fake, not from_tensor: torch 2.2's converter memo (FakeTensorConverter.
+                    # tensor_memo, real -> fake) keeps a converted fake alive while the real gradient
+                    # lives, so the cell's zero_grad(set_to_none=True) would not free its copy
+                    with fake_mode:
+                        fake.grad = torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype,
+                                                        device=grad.device)
                 except Exception:                  # noqa: BLE001 - a gradient it cannot copy stays real
                     continue
                 self._grads.append((grad, fake.grad))

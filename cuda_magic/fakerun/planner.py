@@ -23,6 +23,8 @@ from cuda_magic.recover.rollback import Checkpoint
 
 MAX_RUNS = 10              # fake runs in all, with -r
 CLOSE = 0.005              # settle once the bounds on the largest value are this close
+ACCUM_RUNS = 2             # micro-batches the runs at other values take, where the accumulation grows
+_ACCUM_NOTE = "the runs at other values took "
 FLAT = 0.001               # peaks that differ by less than this share do not depend on VAR
 _CONTAINERS = (list, dict, set, bytearray)
 
@@ -75,6 +77,7 @@ class Planner:
         self.cell_filename, self.lines, self.api = cell_filename, lines, api
         self.device_name = device_name
         self.results = {}
+        self.accum_notes: list[str] = []
 
     # -- one run, undone -----------------------------------------------------------------------------
     def run_at(self, value=None, accumulation=None):
@@ -126,6 +129,7 @@ class Planner:
         pred = self._record(first, value, accumulation)
         if retry is not None and first.complete:
             self._largest(pred, value, accumulation)
+            pred.notes.extend(self.accum_notes)
         pred.runs = [Run(v, r.peak, r.complete, r.seconds, a) for (v, a), r in self.results.items()]
         pred.seconds = time.perf_counter() - t0
         return pred
@@ -134,7 +138,6 @@ class Planner:
         stop = result.stop
         box = blackbox_from(result.recorder, device=self.meter.key, capacity=self.capacity, limited=self.limited,
                             lines=list(self.lines) if self.lines is not None else None, failed=False)
-        box.notes.append("predicted: a fake run, nothing ran on the device")
         retry = self.retry
         return Prediction(
             device=self.meter.key, device_name=self.device_name, capacity=self.capacity, limited=self.limited,
@@ -155,6 +158,14 @@ class Planner:
         if retry.accumulate is not None:
             v0, a0 = self.bind[retry.variable], self.bind[retry.accumulate]
             acc = scale_accumulation(v0, a0, value)
+            if acc > ACCUM_RUNS:
+                # an accumulation loop's peak repeats from its second micro-batch on (the gradients
+                # exist then), and a fake micro-batch costs Python time: at batch 1 the loop would be
+                # the whole effective batch long
+                acc = max(ACCUM_RUNS, min(acc, a0))
+                if not any(n.startswith(_ACCUM_NOTE) for n in self.accum_notes):
+                    self.accum_notes.append(f"{_ACCUM_NOTE}{retry.accumulate} = {acc} at most (an accumulation "
+                                            "loop's peak repeats from its second micro-batch on)")
         result = self.run_at(value, acc)
         return result.peak, result.complete, result.fits(self.capacity)
 
