@@ -35,12 +35,18 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     memory over the run and what was alive at the failure, by line (`report.timeline`, `report.by_line`).
     `timeline=True` shows it for a run that fitted too; `timeline=False` records nothing. `exact=True`
     (with accumulate=) tries only divisors of the effective batch, so that NAME x NAME2 equals it.
+
+    Inside a torch.distributed process group (DDP) the ranks retry together (recover/ranks.py): every
+    rank undoes a step that failed on any rank, all take the smallest value predicted, rank 0 shows the
+    report; `timeout=` (seconds) bounds each wait for the other ranks, and an unrecoverable failure stops
+    every rank with the same `RankError`.
     """
 
     def __init__(self, retry: str | None = None, *, min: int = 1, search: bool = False,  # noqa: A002
                  accumulate: str | None = None, limit: str | int | float | None = None,
                  amp: str | None = None, device: str | None = None, raise_on_oom: bool = True,
-                 quiet: bool = False, timeline: bool | None = None, exact: bool = False):
+                 quiet: bool = False, timeline: bool | None = None, exact: bool = False,
+                 timeout: float | None = None):
         for flag, name in (("retry", retry), ("accumulate", accumulate)):
             if name is not None and not (isinstance(name, str) and name.isidentifier()):
                 raise ValueError(f"{flag}= takes the name of a keyword argument (retry=\"batch_size\"), "
@@ -55,6 +61,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             raise ValueError(f"min must be an int of at least 1, not {min!r}")
         if amp not in (None, "bf16", "fp16"):
             raise ValueError(f"amp must be 'bf16' or 'fp16', not {amp!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"timeout is seconds above 0, not {timeout!r}")
         if limit is not None:
             try:
                 parse_limit(str(limit))     # reject bad text now, not at the first call
@@ -63,7 +72,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         self.retry, self.floor, self.search, self.accumulate = retry, min, search, accumulate
         self.limit, self.amp, self.device = limit, amp, device
         self.raise_on_oom, self.quiet = raise_on_oom, quiet
-        self.timeline, self.exact = timeline, exact
+        self.timeline, self.exact, self.timeout = timeline, exact, timeout
         self.report = None          # the last call's report (each call keeps its own run: reentrant)
         self._blocks = []           # the runs of the `with` blocks entered and not yet left
 
@@ -111,7 +120,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search,
                                                           self.exact)
         options = GuardOptions(retry=retry, limit=limit, amp=self.amp, timeline=self.timeline, source="oomguard",
-                               api=True)
+                               api=True, rank_timeout=self.timeout)
         return GuardedRun(meter, options, shell=current_shell(), **where)
 
     def _outcome(self, result):
@@ -144,6 +153,8 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         """Silent for a call that fits, at once or after retries (SPEC: "prints nothing for a call that
         fits"; the report is on `last_report`); the report after an OOM it could not get past."""
         if self.quiet or (report.outcome in ("ok", "recovered") and not self.timeline):
+            return
+        if getattr(report, "rank", 0):      # in a process group: rank 0 shows every rank's figures
             return
         from cuda_magic.display.show import show
 

@@ -17,13 +17,31 @@ from cuda_magic.devices.caching_allocator import (CachingAllocatorModel, CannotR
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _caching_by_default(monkeypatch):
-    """The devices of this file reserve as torch's caching allocator does (the simulated device's default
-    is the plain count: `SimulatedDevice.default_allocator`; `%gpumem --simulate ... ` takes either)."""
-    from cuda_magic.devices.simulated import SimulatedDevice
+def test_simulated_devices_reserve_as_the_caching_allocator_unless_told_plain(tip):
+    """The default everywhere: a device made with no allocator named, and `%gpumem --simulate`'s, model
+    torch's caching allocator (a 1-byte tensor takes a 512-byte block of a 2 MiB segment); "plain" counts
+    the storages' bytes, for one device or (`default_allocator`) for every device made afterwards."""
+    from cuda_magic.devices.simulated import SimulatedDevice, active_device
 
-    monkeypatch.setattr(SimulatedDevice, "default_allocator", "caching")
+    with SimulatedDevice(1 << 30) as dev:
+        t = torch.empty(1, dtype=torch.uint8)
+        assert dev.allocator == "caching" and (dev.allocated, dev.reserved) == (512, 2 * MiB)
+    with SimulatedDevice(1 << 30, allocator="plain") as dev:
+        t = torch.empty(1, dtype=torch.uint8)
+        assert dev.model is None and (dev.allocated, dev.reserved) == (1, 1)
+    del t
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    try:
+        assert active_device().allocator == "caching"
+    finally:
+        tip.run_line_magic("gpumem", "--simulate off -q")
+    SimulatedDevice.default_allocator = "plain"
+    try:
+        tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+        assert active_device().allocator == "plain"
+        tip.run_line_magic("gpumem", "--simulate off -q")
+    finally:
+        SimulatedDevice.default_allocator = "caching"
 
 
 def model(capacity=1 << 30, **settings) -> CachingAllocatorModel:
@@ -503,4 +521,40 @@ def test_a_cell_that_leaves_holes_runs_out_fragmented_and_fits_with_expandable_s
     report = tip.run_cell("%%oomguard -q -o --expandable-segments\n" + cell).result
     assert report.oom is None
     assert dev.expandable_segments and (dev.allocated, dev.reserved) == (70 * MiB, 80 * MiB)
+    tip.run_cell("b = c = None")
+
+
+def test_the_l_cap_without_cuda_reserves_as_the_caching_allocator_by_default(tip, settings_back, monkeypatch):
+    """`-l` without CUDA, in a real shell and with no allocator named anywhere: the cell that leaves a hole
+    in a segment still in use runs out with it reserved but unallocated, the diagnosis names fragmentation
+    and its advice expandable segments; `--expandable-segments` on the same cap makes it fit, and so does
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set in the environment (the settings torch reads)."""
+    cell = ("b = c = None\n"
+            "a = torch.empty(60 * 2**20, dtype=torch.uint8)\n"
+            "del a\n"
+            "b = torch.empty(30 * 2**20, dtype=torch.uint8)\n"
+            "c = torch.empty(40 * 2**20, dtype=torch.uint8)\n")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    report = tip.run_cell("%%oomguard -l 80MiB -q -o --no-raise\n" + cell).result
+    assert report.oom is not None and report.oom.backend == "simulated"
+    # a's 60 MiB segment keeps b's 30 MiB block and a 30 MiB cached hole; c's 40 MiB segment does not fit
+    # beside it (torch does not give back a segment that holds a block in use)
+    assert report.oom.requested == 40 * MiB and report.oom.reserved_unallocated == 30 * MiB
+    assert report.diagnosis.causes[0] == "fragmentation"
+    assert any("--expandable-segments" in (a.code or "") for a in report.diagnosis.advice)
+    assert report.reclaimed == {"sim:0": 0}     # b is still bound: its block keeps the 60 MiB segment
+
+    tip.run_cell("b = c = None")
+    report = tip.run_cell("%%oomguard -l 80MiB -q -o --expandable-segments\n" + cell).result
+    assert report.oom is None and report.outcome.value == "ok"
+    tip.run_cell("b = c = None")
+
+    settings_back.apply_allocator_settings(None)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    report = tip.run_cell("%%oomguard -l 80MiB -q -o\n" + cell).result
+    assert report.oom is None and report.outcome.value == "ok"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    report = tip.run_cell("%%oomguard -l 80MiB -q -o --no-raise\n" + cell).result
+    assert report.oom is not None and report.oom.reserved_unallocated == 30 * MiB
     tip.run_cell("b = c = None")

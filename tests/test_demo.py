@@ -83,8 +83,13 @@ def test_demo_black_box_names_the_attention_line(executed):
     assert "Alive at the failure, by line" in text
     assert re.search(r"MiB +\d+ +In\[\d+\] line 10 \(forward\), cell line 2 +scores = q @ k.transpose\(-1, -2\)\n", text)
     flat = " ".join(text.split())              # the headline and the cause are wrapped at 100 columns
-    assert "out of memory at `scores = q @ k.transpose(-1, -2)` at In[" in flat and "asked 25.00 MiB" in flat
-    assert "was alive from `scores = q @ k.transpose(-1, -2)` at In[" in flat   # the cause cites it
+    # the 25 MiB score matrix (2 x 8 x 640 x 640 floats): torch's message names the segment it could not
+    # reserve, a request of 10 MiB or more rounded up to 2 MiB (get_allocation_size: kRoundLarge)
+    assert "out of memory at `scores = q @ k.transpose(-1, -2)` at In[" in flat and "asked 26.00 MiB" in flat
+    # x and the qkv projection sit in one 20 MiB segment (requests of 1 to 10 MiB: kLargeBuffer), whose
+    # cached rest cannot hold the 26 MiB block: fragmentation, citing the line that holds the segment
+    assert "in pieces too small to use (fragmentation)" in flat, flat
+    assert "was alive from `q, k, v = self.qkv(x)" in flat, flat
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "<svg" in html and "<script" not in html.lower()
 

@@ -209,7 +209,7 @@ def test_the_python_api_predicts_a_function_with_its_arguments_and_globals(tip):
 def test_a_loop_that_ends_on_a_tensors_value_stops_and_does_not_say_it_fits_or_not(mlp):
     """generate's loop ends when `unfinished_sequences.max() == 0`: on fakes that is a stand-in, so it
     would never end; the run stops after MAX_STAND_INS and the figure is no bound either way."""
-    cell = ("def spin():\n    x = torch.zeros(bs)\n    while not bool((x > 1).all()):\n        x = x + 1\n"
+    cell = ("def spin():\n    x = torch.randn(bs)\n    while not bool((x > 1).all()):\n        x = x + 1\n"
             "    return x\nout = spin()\n")
     p = predict(mlp, "", cell)
     assert not p.complete and p.endless and p.fits is None and p.stop_line == 3   # (the cell line running)
@@ -258,3 +258,31 @@ def test_gradients_held_before_are_freed_by_set_to_none_and_micro_batches_stay_f
     assert measured(mlp, "-l 24MiB", "train_step(bs, acc)").outcome == "ok"
     run_ok(mlp, f"bs = {int(p.largest / 0.95) + 1}")
     assert measured(mlp, "-l 24MiB", "train_step(bs, acc)").outcome == "oom"
+
+
+def test_generate_is_predicted_to_its_max_new_tokens_and_its_largest_batch_fits(tip):
+    """transformers' generate loop (generation/utils.py `_sample`, 4.57.6 and 5.24.0) ends on
+    `unfinished_sequences.max() == 0`, with `unfinished_sequences & ~stopping_criteria(...)` and
+    MaxLengthCriteria's `torch.full((B,), cur_len >= max_length)` (generation/stopping_criteria.py): a
+    uniform fake (fakerun/uniform.py) that is True at the maximum length, so the fake run ends there, as the
+    real one does with no end-of-sequence token (here: random weights, min_new_tokens = max_new_tokens)."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers import LlamaForCausalLM  # noqa: F401
+    except ImportError:
+        pytest.skip("transformers gives no models with this torch")
+    from model_cells import GENERATE, GENERATE_CAP, GENERATE_CELL
+
+    run_ok(tip, f"%gpumem --simulate {GENERATE_CAP}")
+    run_ok(tip, GENERATE + "reset()\nbs = 64")
+    p = predict(tip, "", GENERATE_CELL)
+    real = measured(tip, "", GENERATE_CELL)
+    assert real.outcome == "ok"
+    run_ok(tip, "assert out.shape == (64, 16 + 48), out.shape")
+    assert p.complete and not p.endless, (p.stop_reason, p.stop_line)
+    assert abs(p.peak - real.peaks["sim:0"]) <= 0.05 * real.peaks["sim:0"], (p.peak, real.peaks)
+    run_ok(tip, "reset()")
+    p = predict(tip, "-r bs", GENERATE_CELL)
+    assert p.largest is not None and p.largest > 64, p.largest
+    run_ok(tip, f"reset()\nbs = {p.largest}")
+    assert measured(tip, "", GENERATE_CELL).outcome == "ok"

@@ -16,7 +16,10 @@ def forward_progress(tb):
 
 
 def progress_of(model, x_shape, capacity) -> float | None:
-    with simulated_device(capacity):
+    """The progress read from the failure of `model(x)` on a device of `capacity` bytes that counts the
+    storages' bytes (allocator="plain"): the capacities below put the failure at a chosen layer by the
+    tensors' sizes, which the caching allocator's 20 MiB segments would blur."""
+    with simulated_device(capacity, allocator="plain"):
         x = torch.randn(*x_shape)
         try:
             model(x)

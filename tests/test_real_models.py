@@ -16,6 +16,7 @@ from model_cells import (BERT, BERT_CAP, BERT_CELL, BERT_LARGEST, COMMON, GENERA
                          GENERATE_LARGEST, LLAMA, LLAMA_CAP, LLAMA_CELL, LLAMA_LARGEST, RESNET, TRAINER,
                          TRAINER_CELL)
 from retry_helpers import largest
+from cuda_magic.devices.caching_allocator import segment_asked
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -71,8 +72,9 @@ def test_bert_retries_black_box_shows_the_cells_failure_not_its_own_measuring(be
     run_ok(bert, f"reset()\nbs = {4 * BERT_LARGEST}")
     report = guarded(bert, f"-l {BERT_CAP} -r bs", BERT_CELL)
     failure = report.blackbox.failure
-    # the black box's figures are exact; the message gives two decimals of MiB
-    assert abs(failure.requested - report.oom.requested) <= 10 * 1024
+    # the black box's figures are exact; the message gives two decimals of MiB, and for the request the
+    # segment torch tried to reserve for it (get_allocation_size: 20 MiB for 1 to 10 MiB)
+    assert abs(segment_asked(failure.requested) - report.oom.requested) <= 10 * 1024
     assert abs(failure.allocated - report.oom.allocated_by_torch) <= 10 * 1024
     assert failure.site.where.startswith("cell line") and "run_cell_magic" not in failure.site.code
     # the input dict `batch` is what the cell feeds its model, not collected outputs
@@ -91,14 +93,23 @@ def test_search_lands_within_5_percent_of_the_largest(tip, which):
     assert 0.95 * maximum <= report.final_value <= maximum, ([a.value for a in report.attempts], maximum)
 
 
-def test_a_generate_retry_lands_within_15_percent(tip):
+@pytest.mark.parametrize("allocator", ["plain", "caching"])
+def test_a_generate_retry_lands_within_15_percent(tip, allocator, monkeypatch):
     """Item 10: generation fails late (48 forwards on a growing cache): `-r` measures the whole
-    `generate` call on slices of the prompts instead of reading one forward's share (it landed at 44%)."""
+    `generate` call on slices of the prompts instead of reading one forward's share (it landed at 44%).
+    On the caching allocator the measured generation has no allocation timeline to replay through the
+    allocator (recover/generation.py), so its value is checked only by scaling the failure's memory:
+    within 15% still, in at most 4 runs (a known gap: the README's "What was verified where")."""
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    monkeypatch.setattr(SimulatedDevice, "default_allocator", allocator)
     run_ok(tip, GENERATE)
     maximum = largest(tip, GENERATE_CELL, GENERATE_LARGEST, guard=f"-l {GENERATE_CAP}")
     run_ok(tip, f"reset()\nbs = {2 * maximum}")
     report = guarded(tip, f"-l {GENERATE_CAP} -r bs", GENERATE_CELL)
-    assert len(report.attempts) == 2 and 0.85 * maximum <= report.final_value <= maximum
+    runs = 2 if allocator == "plain" else 4
+    assert len(report.attempts) <= runs and 0.85 * maximum <= report.final_value <= maximum, (
+        [a.value for a in report.attempts], maximum)
     assert "measured" in report.attempts[1].reason
 
 
@@ -142,7 +153,10 @@ def test_the_size_given_for_a_name_is_what_deleting_it_gives_back(tip):
     first, second = (a.code.splitlines()[0] for a in report.diagnosis.advice[:2])
     assert first == "with torch.no_grad():" and second.startswith("losses.append(loss.item())"), codes(report)
     assert not any("ACCUM" in c or "checkpoint" in c for c in codes(report)), codes(report)
-    assert sum(report.by_kind.values()) >= report.oom.allocated_by_torch - 10 * 1024
+    # the split counts the storages' bytes; torch's allocated bytes (the message's) are their blocks, each
+    # rounded up to 512 B (round_size): at most 511 B more for each storage alive at the failure
+    alive = int(report.by_line["tensors"].sum())
+    assert sum(report.by_kind.values()) >= report.oom.allocated_by_torch - 10 * 1024 - 511 * alive
     dry = tip.run_line_magic("freecuda", "--dry-run -q -o")
     listed = dict(dry.still_held)["losses"]
     from cuda_magic.devices.simulated import active_device
@@ -154,7 +168,8 @@ def test_the_size_given_for_a_name_is_what_deleting_it_gives_back(tip):
     gc.collect()
     freed = before - device.allocated
     # `loss` is the list's last item (deleted with it: the last graph is shared by the two names)
-    assert held["losses"].bytes <= listed <= freed <= held["losses"].bytes + held["losses"].shared
+    # names are given storages' bytes; the caching allocator frees their blocks (each rounded up to 512 B)
+    assert held["losses"].bytes <= listed <= freed <= held["losses"].bytes + held["losses"].shared + 511 * alive
 
 
 def test_an_evaluation_pass_that_keeps_graphs_hears_no_grad_first(tip):

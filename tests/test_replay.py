@@ -109,12 +109,17 @@ def fail_and_read(model, x, capacity: int, opt=None):
     return progress, replay
 
 
+@pytest.mark.parametrize("allocator", ["plain", "caching"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_the_measured_pass_gives_a_training_steps_peak_at_other_batches(name):
+def test_the_measured_pass_gives_a_training_steps_peak_at_other_batches(name, allocator):
     """Two slices of the failing batch give the peak of a whole training step at a batch never run: within
-    3% of the measured peak of a real step (the cell's own loss) at 3/4 and 1/4 of the failing batch."""
+    3% of the measured peak of a real step (the cell's own loss) at 3/4 and 1/4 of the failing batch. On
+    the storages' bytes (allocator="plain") the cost with the gradients counted in the forward pass is at
+    least the real peak; on torch's caching allocator the blocks' rounding (512 B, and a large block not
+    split where less than 1 MiB would remain) is not linear in the rows, so only the 3% holds there (what
+    the rounding and the segments cost is the allocator replay's to say: ModelCost.fits_allocator)."""
     make, data, loss_of = MODELS[name]
-    with simulated_device(4 << 30) as device:
+    with simulated_device(4 << 30, allocator=allocator) as device:
         torch.manual_seed(0)
         model = make().train()
         rows = 1024 if name == "mlp" else 256
@@ -129,7 +134,10 @@ def test_the_measured_pass_gives_a_training_steps_peak_at_other_batches(name):
         for part in (rows // 4, 3 * rows // 4):
             actual = step_peak(model, x[:part], loss_of)
             assert zeroed.peak(part) == pytest.approx(actual, rel=0.03), (part, actual)
-            assert actual <= cost.peak(part) <= actual * 1.03 + cost.grads_in_forward
+            if allocator == "plain":
+                assert actual <= cost.peak(part) <= actual * 1.03 + cost.grads_in_forward
+            else:
+                assert cost.timeline and cost.fits_allocator(part, False, 0) is True
 
 
 def test_measuring_leaves_the_gradients_and_the_input_as_they_were():
@@ -174,7 +182,9 @@ def test_a_model_that_takes_only_its_whole_batch_is_not_measured():
         def forward(self, x):
             return self.b(self.a(x).view(512, 256))      # a batch size written into the model
 
-    with simulated_device(1 << 30) as device:
+    # the storages' bytes: the cap a quarter MiB above them fails inside the model (on the caching
+    # allocator the model's outputs would fit in the small segment its parameters opened)
+    with simulated_device(1 << 30, allocator="plain") as device:
         model = Fixed()
         _, replay = fail_and_read(model, torch.randn(512, 64), device.allocated + MiB // 4)
         assert replay is not None

@@ -186,12 +186,15 @@ train_step(64, 1)          # the optimizer's state exists, as after any earlier 
 start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
 
 def reset():
+    # what the cell left goes first, the optimizer's state too: on the caching allocator a copy of the
+    # start state made while it is still held would need segments of its own
     for name in ("loss",):
         globals().pop(name, None)
-    gc.collect()
-    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
     for p in model.parameters():
         p.grad = None
+    opt.state.clear()
+    gc.collect()
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
 """
 
 

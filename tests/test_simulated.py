@@ -16,13 +16,6 @@ from cuda_magic.devices.simulated import SimulatedDevice, simulated_device  # no
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _caching_by_default(monkeypatch):
-    """The devices of this file reserve as torch's caching allocator does (the simulated device's default
-    is the plain count: `SimulatedDevice.default_allocator`; `%gpumem --simulate ... ` takes either)."""
-    from cuda_magic.devices.simulated import SimulatedDevice
-
-    monkeypatch.setattr(SimulatedDevice, "default_allocator", "caching")
 
 
 def gpu(*sizes: int) -> int:

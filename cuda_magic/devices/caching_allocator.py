@@ -274,6 +274,18 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if rounded == size else rounded + step
 
 
+def segment_asked(nbytes: int) -> int:
+    """What torch's out-of-memory message says a request of `nbytes` tried to allocate when no cached block
+    served it, with the default settings: the segment it tried to reserve (`get_allocation_size` of the
+    rounded size: 2 MiB for at most 1 MiB, 20 MiB below 10 MiB, else the size rounded up to 2 MiB)."""
+    size = max(kMinBlockSize, -(-int(nbytes) // kMinBlockSize) * kMinBlockSize)
+    if size <= kSmallSize:
+        return kSmallBuffer
+    if size < kMinLargeAlloc:
+        return kLargeBuffer
+    return -(-size // kRoundLarge) * kRoundLarge
+
+
 class CachingAllocatorModel:
     """torch's CUDA caching allocator on one device of `capacity` bytes (see the module docstring).
 

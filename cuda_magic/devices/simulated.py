@@ -6,7 +6,7 @@ needed), and an allocation that does not fit raises torch's OutOfMemoryError
 (`devices.errors.oom_error_class`) with a CUDA-style message before the memory is really taken: each op's
 output sizes are first computed on the meta device.
 
-What fits can be decided as on a GPU: with `allocator="caching"` each storage takes a block of a model
+What fits is decided as on a GPU: with `allocator="caching"` (the default) each storage takes a block of a model
 of torch's CUDA caching allocator (devices/caching_allocator.py: 512-byte rounding, 2 MiB small and 20 MiB
 large segments, cached free blocks, best fit, splits and merges, `max_split_size_mb`,
 `expandable_segments`), so `allocated` counts rounded blocks as torch's allocated_bytes does, `reserved`
@@ -14,9 +14,9 @@ the segments, and a request fails when no cached block fits and no new segment c
 the capacity - with reserved-but-unallocated memory (fragmentation) where the cache holds it. The
 allocator settings are the process's (PYTORCH_CUDA_ALLOC_CONF and friends, or what was set at runtime:
 `allocator_conf.current_allocator_conf`, or what cuda_magic switched for simulated devices:
-`apply_allocator_settings`) unless a device is given its own. `allocator="plain"` (the default,
-`SimulatedDevice.default_allocator`, which the retry's tests and pins are made for) counts the storages'
-bytes against the capacity, nothing rounded and nothing cached.
+`apply_allocator_settings`) unless a device is given its own. "caching" is the default
+(`SimulatedDevice.default_allocator`); `allocator="plain"` counts the storages' bytes against the
+capacity, nothing rounded and nothing cached.
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class SimulatedDevice:
     """A device of `capacity` bytes. Use as a context manager, or `start()` / `stop()`.
 
     `allocated` and `peak` are exact: every storage created while active is counted when created and
-    released when its last reference goes. With `allocator="caching"` (`default_allocator` is "plain")
+    released when its last reference goes. With `allocator="caching"` (`default_allocator`)
     each storage holds a block of a model of torch's CUDA caching allocator (`model`), so `allocated` is
     the blocks' rounded sizes and `reserved` the segments the model reserved, with the allocator
     settings `conf` ("max_split_size_mb:128,expandable_segments:True"; None: the process's settings,
@@ -179,9 +179,9 @@ class SimulatedDevice:
     #: whether an op's output sizes are found (on the meta device) and checked before it runs; the
     #: prediction's meter, which never runs out, counts after
     checks_before = True
-    #: the allocator of a device made without `allocator=`: "plain" (the storages' bytes) or "caching"
-    #: (torch's caching allocator, as a GPU reserves)
-    default_allocator = "plain"
+    #: the allocator of a device made without `allocator=` (`%gpumem --simulate`'s, `-l`'s without CUDA):
+    #: "caching" (torch's caching allocator, as a GPU reserves) or "plain" (the storages' bytes)
+    default_allocator = "caching"
 
     def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU",
                  allocator: str | None = None, conf: str | None = None):
@@ -396,6 +396,29 @@ class SimulatedDevice:
                 del pending[i]
                 return block
         return self.model.malloc(nbytes)
+
+    def requested_bytes(self, key: int, default: int = 0) -> int:
+        """The bytes the storage `key` asked for when its block was taken (`default` where it has none).
+        Takes no lock: recorders call it while the device holds its own."""
+        block = self._blocks.get(key)
+        return block.requested if block is not None else default
+
+    def allocator_copy(self):
+        """A copy of the caching allocator's model as it is now, block by block (its cache, its holes), to
+        try requests on without touching the device (devices/allocator_replay.py); None with the plain
+        count."""
+        import copy
+        import sys
+
+        if self.model is None:
+            return None
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20 * len(self._blocks) + 10_000))  # blocks link to their neighbours
+        try:
+            with self._lock:
+                return copy.deepcopy(self.model)
+        finally:
+            sys.setrecursionlimit(limit)
 
     def _requested(self, key: int, counted: int) -> int:
         """The bytes a counted storage had when its block was taken (to see it resized in place)."""

@@ -12,7 +12,8 @@ Where it cannot go on:
   DataDependentOutputException in torch/_subclasses/fake_impls.py, 2.2 to 2.13) give the value where it
   is known: a fake tensor made from a Python number keeps it as `.constant` and FakeTensorMode carries it
   through in-place arithmetic (an optimizer's fresh step counter, `torch.tensor(0.0)` then `+= 1`), and a
-  fake copy's value is its real tensor's (a copied optimizer's step count); elsewhere a stand-in value
+  fake copy's value is its real tensor's (a copied optimizer's step count), and a uniform fake's is its one
+  value (`fakerun/uniform.py`: what ends transformers' generate at its maximum length); elsewhere a stand-in value
   (0.0 for a float, so that a gradient scaler's found-inf check lets the step run; 1 for an int; False
   for a bool), so that logging and checks go on; the lines that took one are named;
 - an op whose output's size depends on the data (nonzero, masked_select, unique, boolean indexing:
@@ -42,7 +43,8 @@ MAX_SECONDS = 120.0                        # one fake run at most
 
 class Endless(BaseException):
     """Raised when a fake run seems not to end: a loop whose end is a tensor's value (generate's
-    `unfinished_sequences.max() == 0`) sees only stand-ins, or the run takes too long."""
+    `unfinished_sequences.max() == 0` where no length limit makes it uniform) sees only stand-ins, or the
+    run takes too long."""
 
 
 class Enough(BaseException):
@@ -120,6 +122,8 @@ def _stand_in_mode_class():
 
     from torch._subclasses.fake_tensor import FakeTensor as fake_type
 
+    from cuda_magic.fakerun.uniform import Uniform
+
     local_scalar = torch.ops.aten._local_scalar_dense.default
     cpu = torch.device("cpu")
     index_ops = {getattr(torch.ops.aten.randperm, name) for name in ("default", "generator")
@@ -135,6 +139,7 @@ def _stand_in_mode_class():
             self.lines: list[str] = []
             self.count = 0
             self.deadline = time.perf_counter() + MAX_SECONDS
+            self.uniform = Uniform()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in index_ops and (kwargs or {}).get("device") in (None, cpu):
@@ -147,11 +152,15 @@ def _stand_in_mode_class():
                 self.count += 1
                 if self.count > MAX_STAND_INS or time.perf_counter() > self.deadline:
                     raise Endless(f"it took {self.count} stand-in values for `.item()`: a loop that ends on a "
-                                  "tensor's value (generate's check for finished sequences) cannot end on "
+                                  "tensor's value (a check for finished sequences with no length limit) cannot end on "
                                   "fake tensors" if self.count > MAX_STAND_INS else
                                   f"it ran past {MAX_SECONDS:.0f} s")
                 if id(args[0]) in self.real_of:       # a fake copy: its real tensor's value
                     return self.real_of[id(args[0])]
+                known = self.uniform.value(args[0])
+                if known is not None:                 # one value everywhere (fakerun/uniform.py)
+                    self.count -= 1
+                    return known
                 known = getattr(args[0], "constant", None)
                 if known is not None and not getattr(known, "is_meta", True):
                     with disabled():                  # read outside the fake mode, which would fake it
@@ -163,7 +172,9 @@ def _stand_in_mode_class():
                 if dtype is torch.bool:
                     return False
                 return 0.0 if (dtype.is_floating_point or dtype.is_complex) else 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            self.uniform.after(func, args, kwargs, out)
+            return out
 
     return StandIns
 

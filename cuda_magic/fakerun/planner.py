@@ -21,7 +21,7 @@ from cuda_magic.fakerun.prediction import Prediction, Run
 from cuda_magic.recover.retry import MARGIN, divisors, scale_accumulation
 from cuda_magic.recover.rollback import Checkpoint
 
-MAX_RUNS = 10              # fake runs in all, with -r
+MAX_RUNS = 14              # fake runs in all, with -r
 CLOSE = 0.005              # settle once the bounds on the largest value are this close
 ACCUM_RUNS = 2             # micro-batches the runs at other values take, where the accumulation grows
 _ACCUM_NOTE = "the runs at other values took "
@@ -78,6 +78,7 @@ class Planner:
         self.device_name = device_name
         self.results = {}
         self.accum_notes: list[str] = []
+        self.levels: dict[int, int] = {}    # value -> the peak that must fit (allocated or reserved)
 
     # -- one run, undone -----------------------------------------------------------------------------
     def run_at(self, value=None, accumulation=None):
@@ -167,6 +168,7 @@ class Planner:
                     self.accum_notes.append(f"{_ACCUM_NOTE}{retry.accumulate} = {acc} at most (an accumulation "
                                             "loop's peak repeats from its second micro-batch on)")
         result = self.run_at(value, acc)
+        self.levels[value] = max(result.peak, result.reserved)    # what must fit: the reserved peak
         return result.peak, result.complete, result.fits(self.capacity)
 
     def _largest(self, pred: Prediction, v0: int, a0: int | None) -> None:
@@ -180,6 +182,7 @@ class Planner:
         fit: dict[int, int] = {}
         fail: dict[int, int] = {}
         (fit if pred.fits else fail)[v0] = pred.peak
+        self.levels.setdefault(v0, max(pred.peak, pred.reserved or 0))
         other = v0 * 2 if v0 in fit else max(floor, v0 // 2)
         if other == v0:
             other = v0 + 1
@@ -198,7 +201,14 @@ class Planner:
                 break
             if lo is None and min(fail) <= floor:
                 break                       # even the floor does not fit
-            guess = _guess(fit, fail, cap, lo, hi, floor)
+            # the line goes through what the allocator reserved (on a caching device, segments more than
+            # the tensors' bytes), so that it meets the capacity where the device runs out
+            guess = _guess({v: self.levels[v] for v in fit}, {v: self.levels[v] for v in fail},
+                           cap, lo, hi, floor)
+            if guess is None or guess in fit or guess in fail:     # flat in segments: the tensors' line
+                guess = _guess(fit, fail, cap, lo, hi, floor)
+            if (guess is None or guess in fit or guess in fail) and lo is None:
+                guess = max(floor, min(fail) // 2)      # nothing fits yet: halve
             if guess is None or guess in fit or guess in fail:
                 break
             peak, complete, fits = self._peak(guess)
@@ -256,12 +266,21 @@ def _guess(fit, fail, cap, lo, hi, floor):
     if lo is not None and hi is not None:
         if not lo < guess < hi:
             guess = (lo + hi) // 2
+        # within the middle half of the bounds, so that they close in by a quarter at least each run (a line
+        # through a caching allocator's segment steps can hug one bound run after run)
+        quarter = (hi - lo) // 4
+        guess = min(max(guess, lo + quarter), hi - quarter)
         if guess == lo:
             guess = lo + 1
         return guess if lo < guess < hi else None
     if lo is not None:               # everything fits so far: go up, at most 16 times the largest
         return min(max(guess, lo + 1), lo * 16)
-    return max(floor, min(guess, hi - 1)) if hi is not None else None
+    if hi is None:
+        return None
+    # nothing fits yet: follow the line down, but at most to a quarter of the smallest failure (on a caching
+    # allocator what is reserved moves in whole segments, and a line through two segment counts can point
+    # far below the value where the last segment is no longer needed)
+    return max(floor, min(guess, hi - 1), hi // 4)
 
 
 def _allocator_of(meter) -> dict:

@@ -192,6 +192,8 @@ def _split(ctx):
 
 def _expandable(ctx):
     f, conf = ctx.fields, ctx.alloc_conf or ""
+    if f.backend == "simulated":
+        return _expandable_simulated(ctx)
     if f.backend not in ("cuda", "hip", "cublas") or expandable_segments_on(conf):
         return None
     if (conf_value(conf, "backend") or "native").lower() != "native":
@@ -200,6 +202,27 @@ def _expandable(ctx):
     return Advice("Switch on expandable_segments so that PyTorch's cache can grow segments instead of "
                   f"leaving unusable pieces; this line keeps your other allocator settings{for_you}.",
                   expandable_segments_line(conf))
+
+
+def _expandable_simulated(ctx):
+    """The simulated device reserves as torch's caching allocator does: its expandable_segments are
+    cuda_magic's to switch (for simulated devices; PYTORCH_CUDA_ALLOC_CONF set before Python starts, too)."""
+    import json
+
+    from cuda_magic.devices.allocator_conf import merge_conf
+    from cuda_magic.devices.simulated import allocator_settings
+
+    conf = allocator_settings()
+    if expandable_segments_on(conf):
+        return None
+    text = ("Switch on expandable_segments so that the simulated device's caching allocator grows segments "
+            "instead of leaving unusable pieces, as PyTorch's does on a GPU")
+    if ctx.api:
+        new = json.dumps(merge_conf(conf, expandable_segments=True))
+        return Advice(text + "; the cached segments go back first.",
+                      "from cuda_magic.devices import simulated; "
+                      f"simulated.apply_allocator_settings({new}); simulated.empty_caches()")
+    return Advice(text + " (after the clean-up, which emptied the cache).", "%%oomguard --expandable-segments")
 
 
 def _freecuda(ctx):

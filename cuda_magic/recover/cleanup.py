@@ -83,8 +83,17 @@ def cpu_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def empty_caches() -> None:
-    """Give the allocators' cached, unused blocks back to the devices. Creates no CUDA context."""
+def empty_caches(meter=None) -> None:
+    """Give the allocators' cached, unused blocks back to the devices. Creates no CUDA context.
+
+    The simulated devices' caching allocators too, as torch.cuda.empty_cache() does on a GPU: those counting
+    now and the one `meter` reads (a `-l` run's device, stopped once its run ended, keeps its cache)."""
+    from cuda_magic.devices.simulated import empty_caches as empty_simulated
+
+    empty_simulated()
+    device = getattr(meter, "device", None)
+    if getattr(device, "kind", None) == "simulated" and not device.active:
+        device.empty_cache()
     torch = loaded_torch()
     if torch is None:
         return

@@ -218,7 +218,7 @@ def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None
     now = read_counter(meter.allocated)
     if start_allocated is None or now is None or now > start_allocated:
         gc.collect()
-    empty_caches()
+    empty_caches(meter)
     after = read_counter(meter.reserved)
     if failure.reserved is None or after is None:
         return None

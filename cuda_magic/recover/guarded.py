@@ -51,6 +51,8 @@ class GuardOptions:
     lines: tuple[str, ...] | None = None
     timed_lines: tuple[str, ...] | None = None   # a cell that starts with `%%time`: its lines after it,
                                                  # which IPython runs as "<timed exec>"
+    rank_timeout: float | None = None    # in a process group: seconds the ranks wait for each other at
+                                         # each agreement (None: the group's timeout and a minute)
     shown_by_ipython: bool = False       # `%oomguard on`: IPython shows the error, so its traceback and
                                          # chain are kept (their frames cleared) and IPython's references
                                          # to it (`sys.last_*`, its stored traceback) dropped
@@ -135,9 +137,14 @@ class GuardedRun:
                 value, error = result.value, result.error
                 self.report.outcome = result.attempt.outcome
             else:
-                from cuda_magic.recover.retrying import run_retried
+                from cuda_magic.recover.retrying import ranks_in_group, run_retried
 
-                value, error = await run_retried(self, call)
+                if ranks_in_group() > 1:    # in a torch.distributed process group: every rank together
+                    from cuda_magic.recover.ranked_retry import RankedRetryLoop
+
+                    value, error = await RankedRetryLoop(self).attempts(call)
+                else:
+                    value, error = await run_retried(self, call)
         except KeyboardInterrupt:
             self.report.outcome = Outcome.INTERRUPTED
             raise

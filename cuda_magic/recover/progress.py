@@ -10,7 +10,9 @@ order most models run them in), is the share of the forward pass done, its reque
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from cuda_magic.devices.caching_allocator import segment_asked
 
 MAX_LEAVES = 10_000        # a model with more leaf modules is not walked (its share is not needed that fine)
 
@@ -60,6 +62,40 @@ class ModelCost:
     forward_moments: tuple = ()   # (fixed, per_row) after each operation of the forward pass
     entry_samples: tuple = ()     # the operations done when the failing module was entered, each time
     whole_call: bool = False      # the lines cover all that the failing call holds (a generation loop's)
+    timeline: tuple = ()          # the pass's allocations and frees in order, each allocation's bytes a line
+                                  # in the rows (devices/allocator_replay.py), where the device reserves as
+                                  # torch's caching allocator ...
+    param_bytes: tuple = ()       # ... the bytes of each trainable parameter (its gradient, its state) ...
+    segments: bool = False        # measured on a device that reserves segments (torch's caching allocator)
+    backward_event: int | None = None   # the timeline's first event of the backward pass
+    allocator: object = field(default=None, compare=False, repr=False)   # ... and a callable giving a copy
+                                  # of that device's allocator as it is now (SimulatedDevice.allocator_copy)
+
+    def fits_allocator(self, rows: int, kept: bool, besides: float) -> bool | None:
+        """Whether a training step at `rows` fits on a copy of the device's caching allocator as it is now:
+        the optimizer state still to come and `besides` (the rest the cell holds: its batch, labels) taken
+        first, with the gradients there before the pass where the cost counts them in the forward pass
+        (set to None when the backward pass starts) or `kept` (through the pass: each gradient it computes
+        a temporary, accumulated into them), then the pass's measured allocations and frees at `rows`: as
+        `peak` counts them, in the allocator's blocks and segments. None where there is no allocator to ask (the plain
+        count, a GPU) or no timeline."""
+        from cuda_magic.devices.allocator_replay import replay_fits
+
+        if not self.timeline or self.allocator is None:
+            return None
+        model = self.allocator()
+        if model is None:
+            return None
+        before = []
+        total = sum(self.param_bytes)
+        if total and self.state_to_come:
+            copies, rest = divmod(int(self.state_to_come), total)
+            before += list(self.param_bytes) * copies + ([rest] if rest else [])
+        if besides > 0:
+            before.append(int(besides))
+        grads = self.param_bytes if kept or self.grads_in_forward > 0 else ()
+        return replay_fits(model, self.timeline, rows, before=before, grads=grads, kept=kept,
+                           backward_at=self.backward_event)
 
     def peak(self, rows: float, kept: bool = False) -> float:
         """The pass's peak above what was allocated before it, for a batch of `rows`; `kept`: with the
@@ -79,8 +115,14 @@ class ModelCost:
         def at(k):
             return 0.0 if k < 0 else moments[k][0] + moments[k][1] * rows
 
+        def asks(jump: float) -> bool:
+            # on a device that reserves segments, torch's message names the segment it could not reserve
+            # (a request of 1 to 10 MiB asks for 20 MiB), not the request
+            return abs(jump - requested) <= slack or (
+                self.segments and jump > 0 and abs(segment_asked(int(jump)) - requested) <= slack)
+
         candidates = [at(k - 1) for start in self.entry_samples for k in range(start, len(moments))
-                      if abs(at(k) - at(k - 1) - requested) <= slack and at(k - 1) <= held]
+                      if asks(at(k) - at(k - 1)) and at(k - 1) <= held]
         return int(max(candidates)) if candidates else None
 
     def _all_lines(self, kept: bool) -> list:

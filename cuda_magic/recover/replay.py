@@ -93,6 +93,13 @@ class Replay:
             if small.entry_samples == large.entry_samples and len(small.samples) == len(large.samples):
                 forward_moments = tuple(moments[:small.backward_from])
                 entry_samples = tuple(small.entry_samples)
+        timeline, allocator, backward_event = (), None, None
+        if small.timeline is not None and large.timeline is not None:
+            from cuda_magic.devices.allocator_replay import timeline_lines
+
+            timeline = timeline_lines(small.timeline, large.timeline, rows) or ()
+            allocator = meter.device.allocator_copy if timeline else None
+            backward_event = small.timeline.backward_at
         device = _device_of(self.root)
         state_now = _state_bytes(self.optimizers, device, torch)
         fixed_held = (max(0, self.grads_at_failure - grads_start)
@@ -107,7 +114,11 @@ class Replay:
                          entries=entries, fixed_held=fixed_held, forward_moments=forward_moments,
                          entry_samples=entry_samples,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
-                         probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0)
+                         probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0,
+                         timeline=timeline, allocator=allocator, segments=_reserves_segments(meter),
+                         backward_event=backward_event,
+                         param_bytes=tuple(p.numel() * p.element_size() for p in self.root.parameters()
+                                           if p.requires_grad))
 
     def _run(self, rows: int, meter, torch) -> Pass:
         """One pass on the first `rows` rows, measured above what was allocated before it."""
@@ -122,6 +133,7 @@ class Replay:
 
         args, kwargs = _sliced(self.args, rows, self.rows, torch), _sliced(self.kwargs, rows, self.rows, torch)
         handle = self.failing.register_forward_pre_hook(at_entry)
+        recording = _timeline_of(meter)
         try:
             for p in params:
                 p.grad = None          # as after zero_grad(): the pass allocates the gradients
@@ -136,13 +148,20 @@ class Replay:
                     del out
                     out = None
                 done.backward_from = len(done.samples)
+                if recording is not None:
+                    recording.mark_backward()
                 if loss is not None:
                     loss.backward()
                 del loss, out
             done.peak = (meter.peak() or 0) - before
+            if recording is not None:
+                recording.mark_gradients(p.grad.untyped_storage()._cdata for p in params if p.grad is not None)
+                done.timeline = recording
             return done
         finally:
             handle.remove()
+            if recording is not None:
+                meter.device.detach_recorder(recording)
             for p, grad in zip(params, kept):
                 p.grad = grad
 
@@ -157,6 +176,27 @@ class Pass:
     backward_from: int = 0                          # the first sample of the backward pass
     entries: list = field(default_factory=list)     # at each entry into the failing module
     entry_samples: list = field(default_factory=list)   # ... the number of samples taken by then
+    timeline: object = None     # its allocations and frees (devices/allocator_replay.Timeline), where the
+                                # device reserves as torch's caching allocator
+
+
+def _reserves_segments(meter) -> bool:
+    """Whether the metered device reserves as torch's caching allocator does (its out-of-memory message then
+    names the segment it could not reserve): a simulated device with its model of it, or a CUDA GPU."""
+    return getattr(getattr(meter, "device", None), "model", None) is not None or meter.key.startswith("cuda")
+
+
+def _timeline_of(meter):
+    """A recorder of the pass's allocations and frees, attached to the metered device where it models torch's
+    caching allocator (a simulated device); else None."""
+    device = getattr(meter, "device", None)
+    if getattr(device, "model", None) is None or not hasattr(device, "allocator_copy"):
+        return None
+    from cuda_magic.devices.allocator_replay import Timeline
+
+    recording = Timeline(device)
+    device.attach_recorder(recording)
+    return recording
 
 
 def envelope(lines, rows: int, points: int = 64) -> list:

@@ -124,6 +124,31 @@ class Measured:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
+    def allocator_max(self, value: int, kept: bool = False) -> int | None:
+        """Of the values up to `value` (the most that fits in bytes, `measured_max`), the largest whose step
+        the device's caching allocator can serve: the pass's measured allocations and frees replayed at it
+        on a copy of the allocator as it is now (ModelCost.fits_allocator: rounded blocks, 2 and 20 MiB
+        segments, the cache and its holes); 0 where not even 1 can be; None where there is no allocator to
+        ask (the plain count, a GPU)."""
+        cost = self.progress.cost
+        held = self.needed_at_least - (self.requested or 0)
+        besides = max(0, held - cost.fixed_held)
+        other = (besides - cost.held_by_model(self.value, besides, self.requested)) / self.value
+
+        def fits(u: int) -> bool | None:
+            return cost.fits_allocator(u, kept, other * u)
+
+        top = fits(value)
+        if top is None or top:
+            return None if top is None else value
+        if not fits(1):
+            return 0
+        lo, hi = 1, value
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     @property
     def knows_progress(self) -> bool:
         """Whether the failure came a known share of the way through the model's forward pass."""
@@ -158,12 +183,22 @@ def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction |
     measured = m.measured_max(available, kept)
     if measured is None:
         return None
+    served = m.allocator_max(measured, kept)
+    if served == 0:
+        return None
     cost = m.progress.cost
+    checked = ""
+    if served is not None:
+        checked = (f"; {measured} by the bytes, {served} once its allocations are replayed on the caching "
+                   "allocator as it is now" if served < measured
+                   else "; its allocations replayed on the caching allocator fit")
+        measured = served
     return Prediction(int(measured * MEASURED_SHARE),
                       f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
                       f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
                       f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
-                      + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s)",
+                      + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s"
+                      + checked + ")",
                       measured=True)
 
 
@@ -222,7 +257,8 @@ class BatchSearch:
 
     def __init__(self, start: int, floor: int = 1, search: bool = False, capacity: int | None = None,
                  *, max_attempts: int = MAX_ATTEMPTS, goal: float = GOAL, margin: float = MARGIN,
-                 descent: float = DESCENT, allowed: list[int] | None = None, accumulating: bool = False):
+                 descent: float = DESCENT, allowed: list[int] | None = None, accumulating: bool = False,
+                 allocator=None):
         for name, number in (("start", start), ("floor", floor)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"{name} must be a positive integer, not {number!r}")
@@ -242,6 +278,9 @@ class BatchSearch:
         # -a: the gradients are kept from micro-batch to micro-batch, through whole passes; also taken so
         # once a value predicted from a measured model has failed
         self.accumulating = accumulating
+        # a callable giving a copy of the device's caching allocator as it is now (None: no model of it):
+        # -r's values from a failure's bound are checked on it (`_served`)
+        self.allocator = allocator
         self._measured_values: set[int] = set()
         # --exact: only these values (the divisors of the effective batch) are tried
         self.allowed = sorted(set(allowed)) if allowed is not None else None
@@ -304,6 +343,14 @@ class BatchSearch:
             self._done, self.stop_reason, self.reason = True, reason, ""
             return None
         return self._propose(value, reason)
+
+    def adopt(self, value: int | None, reason: str = "") -> None:
+        """Run `value` next instead of what `next()` proposed, or nothing more (None): the ranks of a
+        process group agreed on it (recover/ranked_retry.py)."""
+        if value is None:
+            self._pending, self._done = None, True
+            return
+        self._pending, self.reason = value, reason or self.reason
 
     def _snap(self, value: int, reason: str) -> tuple[int | None, str]:
         """--exact: the largest allowed value at or below `value` that is still open (above what fitted,
@@ -382,11 +429,41 @@ class BatchSearch:
         if not self.search and failures > 1 and not trusted and value > int(hi * REPEAT_SHARE):
             value, why, measured = int(hi * REPEAT_SHARE), f"{REPEAT_SHARE:.0%} of {hi}, which failed", False
         value = min(value, hi - 1)
+        if not self.search and value >= self.floor:
+            served = self._served(value)
+            if served < value:
+                value, why = served, (f"{served}, the most that the caching allocator as it is now can "
+                                      f"serve of {why or f'{value}, halved from {hi}'}, scaled")
         if value < self.floor:
             return self.floor, f"the floor {self.floor} (--min)"
         if measured:
             self._measured_values.add(value)
         return value, why or f"halved from {hi}"
+
+    def _served(self, value: int) -> int:
+        """-r, a value from a failure's bound: the largest up to `value` at which the latest failure's
+        memory, scaled to it (what it held, then its request), can be served by a copy of the device's
+        caching allocator as it is now (rounded blocks, 2 and 20 MiB segments, its cache); `value` where
+        there is no allocator to ask."""
+        from cuda_magic.devices.allocator_replay import replay_fits
+
+        m = self.history[-1]
+        if self.allocator is None or m.ok or m.requested is None:
+            return value
+        held = max(0, (m.allocated_at_failure or 0) - (m.baseline or 0))
+
+        def fits(u: int) -> bool:
+            model = self.allocator()
+            return model is None or replay_fits(model, (), 0, before=(held * u / m.value,
+                                                                      m.requested * u / m.value))
+
+        if fits(value) or not fits(self.floor):
+            return value
+        lo, hi = self.floor, value
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _descend(self, hi: int) -> tuple[int, str]:
         """--search, or -r where no failure's measure is usable: a share of the tightest failure bound."""

@@ -21,6 +21,17 @@ async def run_retried(run, call):
     return await RetryLoop(run).attempts(call)
 
 
+def ranks_in_group() -> int:
+    """The ranks of the torch.distributed process group this process is in (1 outside one). Imports
+    nothing: without torch.distributed loaded there is no group."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
 class RetryLoop:
     def __init__(self, run):
         self.guarded = run
@@ -45,7 +56,8 @@ class RetryLoop:
         allowed = divisors(retry.original * retry.original_accumulate) if spec.exact and spec.accumulate else None
         policy = BatchSearch(retry.original, spec.floor, spec.search,
                              capacity=run.options.limit or capacity_of(run.meter), allowed=allowed,
-                             accumulating=spec.accumulate is not None)
+                             accumulating=spec.accumulate is not None,
+                             allocator=getattr(getattr(run.meter, "device", None), "allocator_copy", None))
         value = policy.first()
         kept = None                              # the run whose effects stand: (value, call's value)
         try:
@@ -102,13 +114,18 @@ class RetryLoop:
                 f"even {spec.variable}={last} ran out of memory (the floor is {spec.floor})")
             report.warnings.append(f"{why}; {self._restored_words()}")
             return None, None
+        return self._kept(kept), None
+
+    def _kept(self, kept):
+        """The run whose effects stand, (value, call's value): its value in place; the call's value."""
+        retry, spec, report = self.retry, self.spec, self.guarded.report
         final, out = kept
         self._apply(final)
         retry.final = final
         if spec.accumulate is not None:
             retry.final_accumulate = int(self.values[spec.accumulate])
         report.outcome = Outcome.RECOVERED if final != retry.original else Outcome.OK
-        return out, None
+        return out
 
     def _stopped_by(self, error, *, words: bool):
         """An error that is not out of memory stopped the attempts: the variables back, the error passed on."""
@@ -131,7 +148,7 @@ class RetryLoop:
         with self.guarded.meter.counting():
             self.checkpoint.restore()
         gc.collect()
-        empty_caches()
+        empty_caches(self.guarded.meter)
 
     def _undo_failed(self, failure, value):
         """After a failed attempt whose memory is given back: undo it, and with -r after a failure inside
