@@ -7,8 +7,8 @@ same start state (`reset()`): the real run's peak at a value about half the larg
 predicted peak at that value; the true largest value that fits (bisection of real runs, each from the
 start state) against `--predict -r bs`'s, and whether the predicted value fits when run; what a
 prediction costs against one real run of the cell (with -r: all its fake runs); whether the device's
-allocated and reserved figures moved during the prediction. `--caching`: the simulated device reserves as
-torch's caching allocator does (its default counts the tensors' bytes).
+allocated and reserved figures moved during the prediction. The simulated device reserves as torch's
+caching allocator does (its default); `--plain` counts the tensors' bytes instead.
 """
 from __future__ import annotations
 
@@ -61,12 +61,13 @@ def predicted(ip, value: int, flags: str, cell: str):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
-    parser.add_argument("--caching", action="store_true", help="the simulated device reserves as torch's caching "
-                                                                  "allocator does")
+    parser.add_argument("--plain", action="store_true", help="the simulated device counts the tensors' bytes "
+                                                                "(allocator='plain') instead of reserving as torch's "
+                                                                "caching allocator does")
     args = parser.parse_args(argv)
     from cuda_magic.devices.simulated import SimulatedDevice
 
-    SimulatedDevice.default_allocator = "caching" if args.caching else "plain"
+    SimulatedDevice.default_allocator = "plain" if args.plain else "caching"
     ip = brt.shell()
     print(f"command: .venv/bin/python bench/bench_predict.py {' '.join(argv or sys.argv[1:])}".rstrip())
     rows = []

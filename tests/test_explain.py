@@ -58,9 +58,12 @@ def restore_allocator_settings():
     torch = pytest.importorskip("torch")
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
         pytest.skip("the allocator settings getter is in torch 2.12+")
-    before = torch._C._accelerator_getAllocatorSettings()
+    from cuda_magic.devices import allocator_conf
+
+    before, here = torch._C._accelerator_getAllocatorSettings(), allocator_conf._set_here
     yield torch
     torch._C._accelerator_setAllocatorSettings(before)
+    allocator_conf._set_here = here      # what cuda_magic set: current_allocator_conf carries it over
 
 
 def test_the_pasted_line_really_sets_the_settings(restore_allocator_settings):
