@@ -6,13 +6,15 @@ For each cell, in a real IPython shell with `%gpumem --simulate CAP` on (the cel
 same start state (`reset()`): the real run's peak at a value about half the largest that fits, against the
 predicted peak at that value; the true largest value that fits (bisection of real runs, each from the
 start state) against `--predict -r bs`'s, and whether the predicted value fits when run; what a
-prediction costs against one real run of the cell (with -r: all its fake runs); whether the device's
+prediction costs against one real run of the cell (medians of 3; the first prediction, whose caches are
+cold, in brackets; with -r: all its fake runs, once); whether the device's
 allocated and reserved figures moved during the prediction. The simulated device reserves as torch's
 caching allocator does (its default); `--plain` counts the tensors' bytes instead.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ import bench_retry_training as brt  # noqa: E402
 from model_cells import MODELS, RESNET, RESNET_CELL  # noqa: E402
 
 STEPS = 2
+REPEAT = 3      # real runs and predictions timed at each value: the median; the first prediction apart
 CELLS = {
     **{k: (what.format(steps=STEPS), setup, cell, "64MiB") for k, (what, setup, cell) in brt.CELLS.items()},
     **{k: (what, setup, cell, cap) for k, (what, setup, cell, cap, _) in MODELS.items()},
@@ -77,18 +80,24 @@ def main(argv=None) -> None:
         brt.run(ip, f"%gpumem --simulate {cap} -q")
         brt.run(ip, setup)
         ip.user_ns["STEPS"] = STEPS
+        brt.settle(ip)
         brt.CELL = cell
         print(f"{key}: finding the largest bs that fits", file=sys.stderr)
         largest = brt.largest_fitting(ip, 4096)
         value = max(1, largest // 2)
         real_peak, real_seconds = measure(ip, cell, value)
-        pred, pred_seconds, moved = predicted(ip, value, "", cell)
+        real_seconds = statistics.median([real_seconds, *(measure(ip, cell, value)[1] for _ in range(REPEAT - 1))])
+        pred, first_seconds, moved = predicted(ip, value, "", cell)       # the first: caches cold
+        again = [predicted(ip, value, "", cell) for _ in range(REPEAT - 1)]
+        pred_seconds = statistics.median([a[1] for a in again])
+        moved = moved or any(a[2] for a in again)
         pred_r, pred_r_seconds, moved_r = predicted(ip, value, "-r bs", cell)
         found = pred_r.largest
         found_fits = found is not None and measure(ip, cell, found)[0] is not None
         rows.append(dict(cell=key, what=what, cap=cap, value=value, real=real_peak, pred=pred.peak,
                          complete=pred.complete, enough=pred.enough, largest=largest, found=found,
                          fits=found_fits, cost=pred_seconds / real_seconds, cost_r=pred_r_seconds / real_seconds,
+                         cost_first=first_seconds / real_seconds,
                          runs=len(pred_r.runs), moved=moved or moved_r, real_seconds=real_seconds))
         brt.run(ip, "%gpumem --simulate off -q")
         for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ("In", "Out", "exit", "quit",
@@ -97,13 +106,13 @@ def main(argv=None) -> None:
     from cuda_magic.units import format_bytes
 
     print("\n| cell | bs | real peak | predicted | error | largest that fits | `-r bs` predicts | of largest | fits when run "
-          "| prediction / one real run | with -r (fake runs) | device moved |")
+          "| prediction / one real run (the first) | with -r (fake runs) | device moved |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         error = (r["pred"] - r["real"]) / r["real"] * 100 if r["real"] else float("nan")
         share = f"{100 * r['found'] / r['largest']:.1f}%" if r["found"] else "none"
         print(f"| {r['cell']} | {r['value']} | {format_bytes(r['real'])} | {format_bytes(r['pred'])} | {error:+.1f}% | "
-              f"{r['largest']} | {r['found']} | {share} | {'yes' if r['fits'] else 'NO'} | {r['cost']:.2f}x | "
+              f"{r['largest']} | {r['found']} | {share} | {'yes' if r['fits'] else 'NO'} | {r['cost']:.2f}x ({r['cost_first']:.2f}x) | "
               f"{r['cost_r']:.2f}x ({r['runs']}) | {'YES' if r['moved'] else 'no'} |")
     print()
     for r in rows:

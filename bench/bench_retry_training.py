@@ -205,10 +205,23 @@ def largest_fitting(ip, hi: int) -> int:
     return lo
 
 
+BASELINE: set[str] = set()     # the names after the set-up (settle()): those the cell binds are not
+
+
+def settle(ip) -> None:
+    """After the set-up: the names that stay. An out-of-memory error leaves the cell's own names bound
+    (a `loss` whose graph a failed backward kept holds its activations; cuda_magic never deletes a user's
+    name), so fresh() drops the names the set-up did not make."""
+    BASELINE.clear()
+    BASELINE.update(ip.user_ns)
+
+
 def fresh(ip, value: int) -> None:
     """The start state, with nothing left over from the previous measurement."""
     from cuda_magic import release
 
+    for name in [n for n in ip.user_ns if BASELINE and n not in BASELINE and not n.startswith("_")]:
+        del ip.user_ns[name]
     release(ip)
     run(ip, f"reset()\nbs = {value}")
     from cuda_magic.devices.simulated import active_device
@@ -239,8 +252,8 @@ def accelerate(ip, start: int) -> dict | None:
         import accelerate  # noqa: F401
     except ImportError:
         return None
-    run(ip, ACCELERATE)
     fresh(ip, start)
+    run(ip, ACCELERATE)
     run(ip, f"attempts.clear()\nCELL_CODE = compile({CELL!r}, '<cell>', 'exec')")
     t0 = time.perf_counter()
     found = run(ip, f"find_executable_batch_size(counted, starting_batch_size={start})()")
@@ -283,6 +296,7 @@ def main(argv=None) -> None:
     ip.run_line_magic("gpumem", f"--simulate {capacity} -q")   # first: the model counts on it
     run(ip, setup)
     ip.user_ns["STEPS"] = args.steps
+    settle(ip)
     maximum = args.maximum or largest_fitting(ip, max(args.start) * 2)
     print(f"command: .venv/bin/python bench/bench_retry_training.py {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"cell: {what.format(steps=args.steps)}, simulated GPU of {capacity}; largest bs that fits: "

@@ -39,7 +39,9 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     Inside a torch.distributed process group (DDP) the ranks retry together (recover/ranks.py): every
     rank undoes a step that failed on any rank, all take the smallest value predicted, rank 0 shows the
     report; `timeout=` (seconds) bounds each wait for the other ranks, and an unrecoverable failure stops
-    every rank with the same `RankError`.
+    every rank with the same `RankError`. A `with` block there ends on every rank together
+    (recover/ranked_block.py): where one rank ran out, every rank stops, frees, and raises the same short
+    error (or, with `raise_on_oom=False`, goes on with `report.outcome == "oom"` on every rank).
     """
 
     def __init__(self, retry: str | None = None, *, min: int = 1, search: bool = False,  # noqa: A002
@@ -103,7 +105,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             # arguments are bound again for every call: the function's own names need no rollback
             run = self._guarded_run(values=arguments, roots=[*arguments.values(), *globals_])
             try:
-                result = run.run(call)
+                result = run.run(call) if not self._ranked_once() else self._run_ranked(run, call)
             finally:
                 wrapper.last_report = self.report = run.report
             del run
@@ -111,6 +113,30 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
         wrapper.last_report = None
         return wrapper
+
+    def _ranked_once(self) -> bool:
+        """No retry=, inside a process group of more than one rank: the call ends on every rank together."""
+        from cuda_magic.recover.retrying import ranks_in_group
+
+        return self.retry is None and ranks_in_group() > 1
+
+    def _run_ranked(self, run, call):
+        """One call that every rank ends together (recover/ranked_block.py), as a `with` block does."""
+        __tracebackhide__ = True  # noqa: F841
+        from cuda_magic.recover.ranked_block import RankedBlock
+
+        ranked = RankedBlock(run, self.timeout, run.roots, what="call")
+        run.begin()
+        ranked.begin()
+        value = error = None
+        try:
+            value = call()
+        except BaseException as exc:  # noqa: BLE001 - every rank learns how it ended; others propagate
+            error = exc
+        result = ranked.end(error)          # outside the `except` block: the failed frames have finished
+        del error
+        result.value = value
+        return result
 
     def _guarded_run(self, **where):
         from cuda_magic.ipython import current_shell
@@ -164,33 +190,39 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     def __enter__(self):
         if self.retry is not None:
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
-        run = self._guarded_run()
+        from cuda_magic.recover.retrying import ranks_in_group
+
+        run, ranked = self._guarded_run(), None
+        if ranks_in_group() > 1:        # in a process group: the ranks end the block together
+            import sys
+
+            from cuda_magic.recover.ranked_block import RankedBlock
+
+            caller = sys._getframe(1)
+            ranked = RankedBlock(run, self.timeout, [*caller.f_locals.values(), *caller.f_globals.values()])
+            del caller
         report = run.begin()
-        self._blocks.append(run)
+        if ranked is not None:
+            ranked.begin()
+        self._blocks.append((run, ranked))
         self.report = report
         return report
 
     def __exit__(self, etype, value, tb):
         __tracebackhide__ = True  # noqa: F841
-        run = self._blocks.pop()
+        run, ranked = self._blocks.pop()
         del tb
-        result = run.end(value)
-        del value, run
+        result = run.end(value) if ranked is None else ranked.end(value)
+        del value, run, ranked
         report = self.report = result.report
         if result.error is not None:        # not out of memory, or Ctrl-C: it propagates untouched
             return False
         if result.ran_out:
-            if not self.quiet:
-                from cuda_magic.display.show import show
-
-                show(report)
+            self._show(report)
             if self.raise_on_oom:
                 raise result.short_error()
             return True
-        if self.timeline and not self.quiet:
-            from cuda_magic.display.show import show
-
-            show(report)
+        self._show(report)
         return False
 
 

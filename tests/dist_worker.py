@@ -2,10 +2,12 @@
 
     python tests/dist_worker.py RANK WORLD INIT_FILE SCENARIO OUT_DIR
 
-SCENARIO is "PHASE:WHO[:accum]": PHASE forward / backward / step / error / stall, WHO one (rank 1 alone
+SCENARIO is "PHASE:WHO[:FLAG...]": PHASE forward / backward / step / error / stall, WHO one (rank 1 alone
 runs out: a longer sequence, its own small simulated device) or all. Each rank trains one DDP step under
 `oomguard(retry="batch_size")` on its own simulated device, whose capacity is measured so that the
-step fails in PHASE at batch_size=64; it saves what it ended with to OUT_DIR/rank{R}.pt.
+step fails in PHASE at batch_size=64; it saves what it ended with to OUT_DIR/rank{R}.pt. FLAGs: accum,
+search, floor (min=60); block: the step in `with oomguard(raise_on_oom=False)` instead, in the user's own
+loop that halves the batch while the report says "oom" (raise: raise_on_oom=True, no loop).
 """
 from __future__ import annotations
 
@@ -139,18 +141,48 @@ def main(rank: int, world: int, init_file: str, scenario: str, out_dir: str) -> 
         log.append("done")
         return batch_size
 
+    guard = oomguard(timeout=AGREE_TIMEOUT, raise_on_oom="raise" in more)
+
+    def train_in_blocks(batch_size=BATCH):
+        """The user's own loop around `with oomguard():` (no retry: a block cannot run again)."""
+        result["blocks"] = blocks = []
+        while True:
+            log.append(("start", batch_size, 1))
+            with guard as report:
+                x, y = X[:batch_size].clone(), Y[:batch_size].clone()
+                log.append("forward")
+                if phase == "error" and rank == 1:
+                    raise ValueError("a bug on rank 1")
+                loss = loss_of(model, x, y, phase == "step")
+                log.append("backward")
+                loss.backward()
+                log.append("step")
+                opt.step()
+                log.append("done")
+            opt.zero_grad(set_to_none=True)
+            blocks.append({"outcome": str(report.outcome), "warnings": list(report.warnings),
+                           "ranks": report.ranks})
+            if report.outcome != "oom":
+                return batch_size
+            batch_size //= 2
+
     t0 = time.monotonic()
     try:
         with simulated_device(capacity, allocator="plain"):
-            result["value"] = train(model, opt)
-        report = train.last_report
-        result["final_accum"] = report.retry.final_accumulate
-        result["outcome"] = str(report.outcome)
-        result["ranks"] = getattr(report, "ranks", None)
-        result["warnings"] = list(report.warnings)
+            if "block" in more:
+                result["value"], result["final_accum"] = train_in_blocks(), 1
+            else:
+                result["value"] = train(model, opt)
+        if "block" not in more:
+            report = train.last_report
+            result["final_accum"] = report.retry.final_accumulate
+            result["outcome"] = str(report.outcome)
+            result["ranks"] = getattr(report, "ranks", None)
+            result["warnings"] = list(report.warnings)
     except Exception as exc:  # noqa: BLE001 - what each rank stopped with is the test's to read
-        report = train.last_report
+        report = guard.report if "block" in more else train.last_report
         result["ranks"] = getattr(report, "ranks", None) if report is not None else None
+        result["warnings"] = list(getattr(report, "warnings", []))
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["trace"] = traceback.format_exc()
     result["seconds"] = time.monotonic() - t0
@@ -159,7 +191,6 @@ def main(rank: int, world: int, init_file: str, scenario: str, out_dir: str) -> 
     result["optimizer"] = opt.state_dict()
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

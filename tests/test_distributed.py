@@ -223,5 +223,55 @@ def test_nothing_fits_every_rank_stops_and_rank_0_alone_shows_the_report(tmp_pat
     for res in results:
         assert res.get("error", "").startswith("OutOfMemoryError: batch_size=60: out of memory in this call"), res
         assert [[e["value"] for e in entries] for entries in res["ranks"]] == [[64, 64], [60, 60]]
+    assert len({res["error"] for res in results}) == 1          # the same words on every rank
     assert "rank 1 out of memory" in texts[0] and "batch_size=60 on 2 ranks" in texts[0]   # every rank's figures
     assert "out of memory" not in texts[1]
+
+
+def assert_blocks_alike(results):
+    """The user's loop ran the same blocks on every rank: out of memory until one fitted everywhere."""
+    runs = [[b["outcome"] for b in res.get("blocks", [])] for res in results]
+    assert all(r == runs[0] for r in runs), runs
+    assert len(runs[0]) >= 2 and runs[0][-1] == "ok" and set(runs[0][:-1]) == {"oom"}, runs
+
+
+@pytest.mark.parametrize("scenario", ["forward:one:block", "backward:one:block"])
+def test_a_with_block_ends_on_every_rank_together(tmp_path, scenario):
+    results, texts, wall = run_ranks(tmp_path, 2, scenario)
+    value, _ = assert_same_and_clean(results, 2, scenario)      # the user's loop, at its final value
+    assert_blocks_alike(results)
+    for res in results:
+        first = res["blocks"][0]
+        assert [(e["rank"], e["state"]) for e in first["ranks"][0]][1] == (1, "oom")
+        said = " ".join(first["warnings"])
+        assert "the block on 2 ranks: " in said and "rank 1 out of memory at `" in said, said
+    if scenario.startswith("backward"):          # rank 0 waited in DDP's all-reduce, then learnt why
+        assert results[0]["blocks"][0]["ranks"][0][0]["state"] == "error"
+    assert "out of memory" not in texts[1]
+
+
+def test_a_block_one_rank_ran_through_says_the_parameters_differ(tmp_path):
+    results, texts, wall = run_ranks(tmp_path, 2, "step:one:block")
+    assert_blocks_alike(results)
+    for res in results:
+        said = " ".join(res["blocks"][0]["warnings"])
+        assert "the ranks' parameters differ now: rank 0 ran the block through" in said, said
+    assert not all(torch.equal(results[0]["model"][k], results[1]["model"][k]) for k in results[0]["model"])
+
+
+def test_a_block_raises_the_same_short_error_on_every_rank(tmp_path):
+    results, texts, wall = run_ranks(tmp_path, 2, "forward:one:block:raise")
+    errors = {res.get("error") for res in results}
+    assert len(errors) == 1, errors
+    assert errors.pop().startswith("OutOfMemoryError: out of memory in this block on rank 1 of 2: every rank "
+                                   "stopped it")
+    assert "rank 1 out of memory at `" in texts[0]          # rank 0 shows every rank's figures
+    assert "out of memory" not in texts[1]
+
+
+def test_an_error_in_a_block_stops_every_rank_alike(tmp_path):
+    results, texts, wall = run_ranks(tmp_path, 2, "error:one:block")
+    errors = {res.get("error") for res in results}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith("RankError:") and "rank 1 of 2 stopped with ValueError: a bug on rank 1" in error

@@ -373,3 +373,49 @@ def test_release_measures_cpu_bytes_freed(ip):
     keep = torch.ones(250_000)
     assert cpu_tensor_bytes() - after == 1_000_000
     del keep
+
+
+RESNET_STEP = """
+xb, yb = data.tensors[0][:85], data.tensors[1][:85]
+loss = nn.functional.cross_entropy(model(xb.float().div_(255)), yb)
+loss.backward()
+"""
+
+
+def _failed_backward(ip, *, drain: bool, monkeypatch):
+    """A ResNet step (tests/model_cells.py) that runs out of memory in its backward pass on a simulated
+    64 MiB device, under %%oomguard in a real shell; then the user deletes the names the cell bound. The
+    bytes still allocated, and those allocated before the cell."""
+    from model_cells import RESNET
+
+    import cuda_magic.recover.failure as failure
+
+    if not drain:
+        monkeypatch.setattr(failure, "drain_autograd", lambda: False)
+    ip.run_line_magic("load_ext", "cuda_magic")
+    ip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    try:
+        ip.run_cell(RESNET)
+        from cuda_magic.devices.simulated import active_device
+
+        device = active_device()
+        before = device.allocated
+        report = ip.run_cell_magic("oomguard", "-q -o --no-raise --no-live", RESNET_STEP)
+        assert report.outcome == "oom" and report.failure.text == "loss.backward()"
+        for name in ("xb", "yb", "loss"):
+            ip.user_ns.pop(name, None)
+        gc.collect()
+        return device.allocated, before
+    finally:
+        ip.run_line_magic("gpumem", "--simulate off -q")
+
+
+def test_a_failed_backward_pass_leaves_nothing_in_the_autograd_engine(ip, monkeypatch):
+    # torch/csrc/autograd/engine.cpp: the calling thread's thread_main() stops at the failed graph task's
+    # completion, leaving the rest of that graph (nodes, saved activations) queued until the next backward
+    held, before = _failed_backward(ip, drain=False, monkeypatch=monkeypatch)
+    assert held - before > 20 << 20, (held, before)          # the engine holds the graph: the leak is real
+    monkeypatch.undo()
+    (torch.zeros((), requires_grad=True) * 1).backward()     # what the clean-up does, for the next test
+    held, before = _failed_backward(ip, drain=True, monkeypatch=monkeypatch)
+    assert held - before < 1 << 20, (held, before)           # the clean-up let it go

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 
 from cuda_magic.ipython import shell_or_current, user_variables
-from cuda_magic.recover.notebook_refs import drop_exception_refs, drop_output_cache
+from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
 from cuda_magic.memory.holders import name_holders, union_bytes
@@ -207,6 +207,7 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
     report.dropped += drop_exception_refs(shell)
     if shell is not None:
         report.dropped += drop_output_cache(shell)
+    drain_autograd()
     gc.collect()
     empty_caches()
     after = _device_usage()

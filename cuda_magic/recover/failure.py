@@ -22,7 +22,7 @@ from cuda_magic.memory.kinds import IN_FAILING_OP
 from cuda_magic.oom.findings import OomFields
 from cuda_magic.paths import is_library_file, is_torch_or_python_file
 from cuda_magic.recover.cleanup import empty_caches
-from cuda_magic.recover.notebook_refs import drop_exception, drop_exception_refs
+from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception, drop_exception_refs
 from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
 
 
@@ -214,6 +214,7 @@ def release_failure(exc: BaseException, failure: Failure, meter, *, user_ns=None
     drop_exception(exc, user_ns=user_ns, sever=sever)
     if shell is not None:
         drop_exception_refs(shell)
+    drain_autograd()
     gc.collect(1)
     now = read_counter(meter.allocated)
     if start_allocated is None or now is None or now > start_allocated:
@@ -269,6 +270,12 @@ def short_oom_error(report: GuardReport):
     what = f"{report.variable}={report.attempts[-1].value}: " if report.variable and report.attempts else ""
     where = "call" if report.api else "cell"
     keep_going = "" if report.api else ", the kernel can keep going"
+    ranks = getattr(report, "ranks", None)
+    if ranks:           # in a process group: the same words on every rank (recover/ranks.py)
+        failed = [str(e["rank"]) for e in ranks[-1] if e["state"] == "oom"]
+        where = getattr(report, "ranked_what", where)
+        return cls(f"{what}out of memory in this {where} on rank{'s' if len(failed) > 1 else ''} "
+                   f"{', '.join(failed)} of {len(ranks[-1])}: every rank stopped it (explained in rank 0's report)")
     return cls(f"{what}out of memory in this {where} (explained above; {format_bytes(reclaimed)} "
                f"reclaimed{keep_going})")
 

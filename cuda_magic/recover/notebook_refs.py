@@ -1,7 +1,7 @@
 """The references only the notebook machinery holds after an error or a displayed result: `sys.last_*`,
 IPython's stored traceback and last result, the traceback's frames (and their cached `f_locals`), and
-the output cache (`_`, `__`, `___`, `_N`, `Out[N]`, the displayhook's own attributes). Dropping them
-never touches a user variable."""
+the output cache (`_`, `__`, `___`, `_N`, `Out[N]`, the displayhook's own attributes), and the autograd
+engine's work left over from a backward pass that failed. Dropping them never touches a user variable."""
 from __future__ import annotations
 
 import sys
@@ -38,6 +38,26 @@ def clear_frame(frame, user_ns=None) -> bool:
         # 3.11/3.12: clear() leaves the cached f_locals dict (filled by any formatter that read it)
         # holding the old values; reading f_locals again resyncs it with the now empty fast locals.
         frame.f_locals
+    return True
+
+
+def drain_autograd() -> bool:
+    """After an error inside a backward pass: let the autograd engine drop what is left of the failed
+    graph (its nodes with their saved tensors, and the gradients computed so far), which it keeps until
+    the next backward pass on the same thread. torch/csrc/autograd/engine.cpp (2.2 to 2.13): the calling
+    thread runs `thread_main(graph_task)` over its thread-local ready queue and leaves it as soon as that
+    graph task's future is completed, and an error completes it at once; the next backward's pass over
+    the queue drops the tasks whose graph task is gone. On the simulated device, whose tensors are the
+    CPU's, the whole rest of the graph is there (tests/test_release.py: 46 MiB of a ResNet's activations
+    held after its `loss` was deleted). One backward of a fresh scalar, with no mode counting it, does it;
+    returns whether it ran (torch loaded)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "autograd"):
+        return False
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.enable_grad():
+        (torch.zeros((), requires_grad=True) * 1).backward()
     return True
 
 

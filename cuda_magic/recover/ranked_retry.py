@@ -10,7 +10,7 @@ on one rank). Every rank keeps the report, with every rank's figures; rank 0 sho
 from __future__ import annotations
 
 from cuda_magic.devices.meter import capacity_of
-from cuda_magic.recover.ranks import PeerStopped, RankError, Ranks, rank_words, verdict
+from cuda_magic.recover.ranks import PeerStopped, RankError, Ranks, failure_line, rank_words, verdict
 from cuda_magic.recover.report import Outcome
 from cuda_magic.recover.retrying import RetryLoop
 
@@ -106,6 +106,7 @@ class RankedRetryLoop(RetryLoop):
                 state, entry["error"] = "error", f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             elif failure is not None:
                 state = "oom"
+                entry["line"], entry["in"] = failure_line(failure)
                 progress = self._undo_failed(failure, value)
                 if policy is not None:
                     self._record(policy, value, False, result, progress)
@@ -120,7 +121,7 @@ class RankedRetryLoop(RetryLoop):
         entries = [dict(e, value=value, state="stopped" if e["at"] == "forward" and e["state"] == "ok" else e["state"])
                    for e in entries]
         run.report.ranks.append(entries)
-        words = rank_words(entries, self.spec.variable, value)
+        words = rank_words(entries, f"{self.spec.variable}={value}")
         fitted = verdict(entries) == "ok"
         if fitted:
             if policy is not None:

@@ -88,7 +88,9 @@ class Ranks:
         every rank (the same code found them)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        self.ddps = [o for o in objects if isinstance(o, DistributedDataParallel)]
+        seen: set[int] = set()
+        self.ddps = [o for o in objects if isinstance(o, DistributedDataParallel)
+                     and not (id(o) in seen or seen.add(id(o)))]
 
     # meetings -----------------------------------------------------------------------------------
     def meet(self, entry: dict) -> list[dict]:
@@ -106,9 +108,9 @@ class Ranks:
                             "(oomguard(timeout=...) sets the bound)") from None
         return gathered
 
-    def watching(self, call):
-        """`call` with a meeting after each forward pass of the DDP modules: where another rank has failed,
-        this rank's attempt stops there (PeerStopped)."""
+    def hook(self) -> list:
+        """A meeting after each forward pass of the DDP modules: where another rank has failed, this rank's
+        attempt stops there (PeerStopped). Returns the hooks' handles, to remove when the attempt ends."""
         self.stopped_with = None
 
         def after_forward(module, inputs, output):
@@ -117,8 +119,13 @@ class Ranks:
                 self.stopped_with = entries
                 raise PeerStopped(f"rank {first_failed(entries)} failed in this step; this rank stops with it")
 
+        return [d.register_forward_hook(after_forward) for d in self.ddps]
+
+    def watching(self, call):
+        """`call` with the meetings of `hook()` while it runs."""
+
         def watched():
-            handles = [d.register_forward_hook(after_forward) for d in self.ddps]
+            handles = self.hook()
             try:
                 return call()
             finally:
@@ -175,19 +182,55 @@ def verdict(entries: list[dict]) -> str:
     return "oom"
 
 
-def rank_words(entries: list[dict], variable: str, value) -> str:
-    """One line of the report: what each rank did at `variable=value`, with its figures."""
+def rank_words(entries: list[dict], label: str) -> str:
+    """One line of the report: what each rank did at `label` ("batch_size=64", "the block"), with its
+    figures and, for a rank that ran out of memory, the line that asked."""
     from cuda_magic.units import format_bytes
 
     def one(e):
         peak = format_bytes(e["peak"]) if e.get("peak") is not None else "?"
         if e["state"] == "oom":
             asked = format_bytes(e["requested"]) if e.get("requested") is not None else "?"
-            return f"rank {e['rank']} out of memory (asked for {asked}, peak {peak})"
+            line = f" at `{e['line']}`" if e.get("line") else ""
+            line += e.get("in") or ""
+            return f"rank {e['rank']} out of memory{line} (asked for {asked}, peak {peak})"
         if e["state"] == "ok":
             return f"rank {e['rank']} fitted (peak {peak})"
         if e["state"] == "error":
             return f"rank {e['rank']} waited in a collective for the failed rank"
         return f"rank {e['rank']} stopped with it"
 
-    return f"{variable}={value} on {len(entries)} ranks: " + "; ".join(one(e) for e in entries)
+    return f"{label} on {len(entries)} ranks: " + "; ".join(one(e) for e in entries)
+
+
+def failure_line(failure) -> tuple[str | None, str]:
+    """The line of the user's code that asked for the memory, shortened for the line of every rank, and
+    where it is when it is not in the cell or block itself (" in loss_of() (train.py:12)")."""
+    import linecache
+    import os
+
+    point = getattr(failure, "point", None)
+    if point is None:
+        return None, ""
+    text, where = (point.text or "").strip(), ""
+    if point.filename:                     # the deepest line of the user's own code (a script's function)
+        path, _, number = point.filename.rpartition(":")
+        if number.isdigit():
+            text = linecache.getline(path, int(number)).strip() or text
+            where = f" in {point.function}() ({os.path.basename(path)}:{number})" if point.function else ""
+    if not text:
+        return None, ""
+    return (text[:77] + "...") if len(text) > 80 else text, where
+
+
+def failed_ranks(entries: list[dict]) -> list[int]:
+    return [e["rank"] for e in entries if e["state"] == "oom"]
+
+
+def fingerprint(modules) -> list[float]:
+    """A sum per parameter of the modules, in float64 (no copy of a parameter is made): equal on ranks
+    whose parameters are equal, since they run the same reduction."""
+    import torch
+
+    with torch.no_grad():
+        return [float(p.detach().sum(dtype=torch.float64)) for m in modules for p in m.parameters()]
