@@ -44,6 +44,25 @@ def test_simulated_devices_reserve_as_the_caching_allocator_unless_told_plain(ti
         SimulatedDevice.default_allocator = "caching"
 
 
+def test_a_snapshot_keeps_the_allocator_of_its_moment_and_gives_a_fresh_copy_each_time():
+    """allocator_snapshot(): what a retry asks later about the moment after a failure was undone (a
+    --search probe still holds its memory when the next probe is chosen)."""
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    with SimulatedDevice(1 << 30) as dev:
+        kept = torch.empty(5 * MiB, dtype=torch.uint8)
+        snapshot = dev.allocator_snapshot()
+        later = torch.empty(30 * MiB, dtype=torch.uint8)
+        copy = snapshot()
+        assert (copy.allocated, copy.reserved) == (5 * MiB, 20 * MiB)     # not the 30 MiB taken after it
+        assert (dev.allocated, dev.reserved) == (35 * MiB, 50 * MiB)
+        copy.malloc(10 * MiB)                                            # a replay changes its own copy
+        assert snapshot().allocated == 5 * MiB and dev.allocated == 35 * MiB
+    del kept, later
+    with SimulatedDevice(1 << 30, allocator="plain") as dev:
+        assert dev.allocator_snapshot() is None
+
+
 def model(capacity=1 << 30, **settings) -> CachingAllocatorModel:
     return CachingAllocatorModel(capacity, **settings)
 

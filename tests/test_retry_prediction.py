@@ -65,6 +65,19 @@ def test_the_first_retry_fits_within_15_percent_of_the_largest(trainer):
         assert report.attempts[1].start_allocated == report.attempts[0].start_allocated
 
 
+def test_search_stops_its_probes_where_the_caching_allocator_cannot_serve(trainer):
+    # --search's probes up come from a line through the allocated peaks; on the caching allocator (the
+    # simulated default) the largest value sits below where that line meets the capacity, by the blocks'
+    # rounding and the segments' holes. The first failure's model, measured on slices of its batch and
+    # replayed on the allocator as it was after that failure, bounds them.
+    maximum = largest(trainer, CELL, LARGEST_MLP)
+    for start in (int(maximum * 1.4), int(maximum * 1.9)):
+        run_ok(trainer, f"reset()\nbs = {start}")
+        report = trainer.run_cell("%%oomguard -q -o -r bs --search\n" + CELL).result
+        values = [a.value for a in report.attempts]
+        assert len(values) <= 5 and 0.95 * maximum <= report.final_value <= maximum, (values, maximum)
+
+
 # --- a model with its own forward, measured on slices of the failing batch (recover/replay.py) -------
 SETUP_RESIDUAL = """
 import copy

@@ -407,18 +407,24 @@ class SimulatedDevice:
         """A copy of the caching allocator's model as it is now, block by block (its cache, its holes), to
         try requests on without touching the device (devices/allocator_replay.py); None with the plain
         count."""
-        import copy
-        import sys
-
         if self.model is None:
             return None
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 20 * len(self._blocks) + 10_000))  # blocks link to their neighbours
-        try:
-            with self._lock:
-                return copy.deepcopy(self.model)
-        finally:
-            sys.setrecursionlimit(limit)
+        with self._lock:
+            return deep_copy(self.model, len(self._blocks))
+
+    def allocator_snapshot(self):
+        """The allocator as it is now, kept: a callable giving a fresh copy of it at each call (a replay
+        changes the copy it is given), for a later question about this moment; None with the plain count."""
+        model = self.allocator_copy()
+        if model is None:
+            return None
+        blocks = len(self._blocks)
+        return lambda: deep_copy(model, blocks)
+
+    def copy_state(self):
+        """(a copy of the caching allocator's model, real storage key -> the copy's block), taken together."""
+        with self._lock:
+            return deep_copy((self.model, dict(self._blocks)), len(self._blocks))
 
     def _requested(self, key: int, counted: int) -> int:
         """The bytes a counted storage had when its block was taken (to see it resized in place)."""
@@ -714,3 +720,17 @@ def empty_caches() -> int:
     """Give back the cached segments of the simulated devices counting now, as torch.cuda.empty_cache()
     does on a GPU (the clean-up after an out-of-memory error calls both). Returns the bytes given back."""
     return sum(dev.empty_cache() for dev in list(_active))
+
+
+def deep_copy(obj, blocks: int):
+    """copy.deepcopy of an allocator's model (or of what holds it): its blocks link to their neighbours,
+    so the recursion goes as deep as a segment has blocks."""
+    import copy
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20 * blocks + 10_000))
+    try:
+        return copy.deepcopy(obj)
+    finally:
+        sys.setrecursionlimit(limit)

@@ -45,7 +45,7 @@ class FakeDevice(SimulatedDevice):
         if caching and getattr(template, "model", None) is not None:
             # the simulated device's allocator as it is now, block by block (its cache, its holes): the
             # fake copies take over their real storages' blocks, and what else it holds stays held
-            self.model, self._real_blocks = _clone(template)
+            self.model, self._real_blocks = template.copy_state()
             self.model.capacity = capacity if capacity else NEVER
             self.allocated = template.allocated
             self.fixed = 0
@@ -122,21 +122,6 @@ class FakeDevice(SimulatedDevice):
         self.peak = self.allocated
         if self.model is not None:
             self.model.reset_peak()
-
-
-def _clone(device):
-    """(a copy of the device's caching allocator model, real storage key -> the copy's block)."""
-    import copy
-    import sys
-
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 20 * len(device._blocks) + 10_000))   # blocks link to their neighbours
-    try:
-        with device._lock:
-            model, blocks = copy.deepcopy((device.model, dict(device._blocks)))
-    finally:
-        sys.setrecursionlimit(limit)
-    return model, blocks
 
 
 class KindTally:

@@ -523,6 +523,9 @@ class BatchSearch:
                 limit = self._secant_bound(top, m, available)
                 if limit is not None and limit < bound:
                     bound = limit
+                limit = self._measured_bound(m, available)
+                if limit is not None and limit < bound:
+                    bound = limit
             # the partner is the nearest smaller value whose peak differs (rounding makes plateaus)
             lower = [m for m in fitted if m.value < top.value and m.own_peak < top.own_peak]
             slope = None
@@ -571,6 +574,17 @@ class BatchSearch:
         if needed is None or available is None or needed <= 0:
             return None
         return int(m.value * available / needed)
+
+    def _measured_bound(self, m: Measured, available: int) -> int | None:
+        """--search: the largest value that a failure measured on slices of its batch predicts to fit, its
+        allocations replayed on the caching allocator where there is one: the probes up stop there."""
+        if m.ok or not m.knows_progress or m.progress.cost is None:
+            return None
+        most = m.measured_max(available, self.accumulating)
+        if most is None:
+            return None
+        served = m.allocator_max(most, self.accumulating)
+        return most if served is None else served or None
 
     @staticmethod
     def _secant_bound(top: Measured, m: Measured, available: int) -> int | None:

@@ -152,22 +152,33 @@ class RetryLoop:
 
     def _undo_failed(self, failure, value):
         """After a failed attempt whose memory is given back: undo it, and with -r after a failure inside
-        the model, measure the model on slices of the failing batch (recover/replay.py), where that batch
+        the model (with --search: the first such failure), measure the model on slices of the failing batch
+        (recover/replay.py), where that batch
         is the value retried and the checkpoint holds the model (what the measuring changes is undone the
         same way); the failure's progress, with the measure where taken."""
         run, checkpoint = self.guarded, self.checkpoint
         progress, replay, failure.replay = failure.progress, failure.replay, None
         with run.meter.counting():
             checkpoint.restore()   # the states, now that the failure's memory is back (its names: done)
-        if (replay is None or progress is None or self.spec.search or replay.rows != value
+        # --search: the first failure only (its measure bounds the probes up; the later ones, near the
+        # largest value, would each cost a measure for little)
+        searched = self.spec.search and getattr(self, "_measured", False)
+        if (replay is None or progress is None or searched or replay.rows != value
                 or not checkpoint.holds(replay.root)):
             return progress
+        self._measured = True
         try:
             with run.meter.running(run.options.limit), autocast(run.options.amp, run.meter):
                 cost = replay.measure(run.meter)
         finally:
             del replay
             self._restore()
+        if cost is not None and cost.allocator is not None:
+            # the allocator as it is now, with the attempt undone: what a value is checked on later too
+            # (--search asks after a probe that fitted, while the probe still holds its memory)
+            snapshot = getattr(getattr(run.meter, "device", None), "allocator_snapshot", None)
+            if snapshot is not None:
+                cost = replace(cost, allocator=snapshot())
         return progress if cost is None else replace(progress, cost=cost)
 
     # the retried variables ----------------------------------------------------------------------------
