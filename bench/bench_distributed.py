@@ -1,10 +1,12 @@
 """The retry under torch.distributed: cuda_magic's `oomguard(retry=...)` beside accelerate's
 `find_executable_batch_size`, in the same 2-process DDP run (gloo, CPU; tests/dist_worker.py's model and
-data): rank 1 alone runs out of memory in the forward pass at batch_size=64 (a longer sequence, its own
-small simulated device). Reports, for each: whether every rank finished, the value each rank ended at,
-the largest value that fits rank 1, wall time, and whether the models are equal across ranks.
+data): rank 1 alone runs out of memory at batch_size=64 (a longer sequence, its own small simulated
+device), in the forward pass (the backward and step cases are tests/test_distributed.py's). Reports, for `-r` (retry="batch_size"), `--search` (search=True) and accelerate:
+whether every rank finished, the value each rank ended at and the runs it took, the largest value that
+fits rank 1, wall time, and whether the models are equal across ranks. The simulated devices reserve as
+torch's caching allocator (`--plain`: the tensors' bytes).
 
-    .venv/bin/python bench/bench_distributed.py [--timeout 10]
+    .venv/bin/python bench/bench_distributed.py [--timeout 10] [--plain]
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import dist_worker as w  # noqa: E402
 
-PHASE, WHO = "forward", "one"
+WHO = "one"
+PHASE = "forward"
+ALLOCATOR = "caching"    # set by main(): --plain
+METHODS = ("-r", "--search", "accelerate")
 
 
 def step(model, opt, X, Y, batch_size):
@@ -33,11 +38,13 @@ def step(model, opt, X, Y, batch_size):
     return batch_size
 
 
-def rank_main(rank, method, init, out, capacity, timeout):
+def rank_main(rank, method, init, out, capacity, timeout, phase, allocator):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cuda_magic import oomguard, simulated_device
 
+    global PHASE, ALLOCATOR
+    PHASE, ALLOCATOR = phase, allocator
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=timeout))
     model = DDP(w.make_model())
@@ -46,16 +53,23 @@ def rank_main(rank, method, init, out, capacity, timeout):
     result = {"rank": rank}
     t0 = time.monotonic()
     try:
-        with simulated_device(capacity if rank == 1 else 1 << 34, allocator="plain"):
-            if method == "cuda_magic":
-                guarded = oomguard(retry="batch_size", timeout=4 * timeout, quiet=True)(
+        with simulated_device(capacity if rank == 1 else 1 << 34, allocator=allocator):
+            if method != "accelerate":
+                guarded = oomguard(retry="batch_size", timeout=4 * timeout, quiet=True, search=method == "--search")(
                     lambda model, opt, batch_size=w.BATCH: step(model, opt, X, Y, batch_size))
-                result["value"] = guarded(model, opt)
+                try:
+                    result["value"] = guarded(model, opt)
+                finally:
+                    report = guarded.last_report
+                    result["tried"] = [a.value for a in report.attempts] if report is not None else []
             else:
                 from accelerate.utils import find_executable_batch_size
 
+                result["tried"] = tried = []
+
                 @find_executable_batch_size(starting_batch_size=w.BATCH)
                 def run(batch_size):
+                    tried.append(batch_size)
                     try:
                         return step(model, opt, X, Y, batch_size)
                     except oom_class() as exc:
@@ -88,7 +102,7 @@ def largest_fitting(capacity: int) -> int:
         model = w.make_model()
         opt = w.make_optimizer(model.parameters())
         try:
-            with simulated_device(capacity, allocator="plain"):
+            with simulated_device(capacity, allocator=ALLOCATOR):
                 step(model, opt, X, Y, b)
             return True
         except oom_class():
@@ -102,38 +116,47 @@ def largest_fitting(capacity: int) -> int:
 
 
 def forward_peak(b: int) -> int:
+    """Rank 1's peak after the forward pass at batch b, on a device too large to fill."""
     from cuda_magic import simulated_device
 
     X, Y = w.data_of(1, PHASE, WHO)
-    with simulated_device(1 << 34, allocator="plain") as dev:
+    with simulated_device(1 << 34, allocator=ALLOCATOR) as dev:
         w.loss_of(w.make_model(), X[:b].clone(), Y[:b].clone(), False)
-        return dev.peak
+        return dev.peak_reserved if ALLOCATOR == "caching" else dev.peak
 
 
 def main() -> None:
+    global ALLOCATOR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=10.0, help="the process group's timeout, seconds")
+    parser.add_argument("--plain", action="store_true", help="the simulated devices count the tensors' bytes")
     args = parser.parse_args()
+    ALLOCATOR = "plain" if args.plain else "caching"
     capacity = int(forward_peak(w.BATCH) * 0.7)
     best = largest_fitting(capacity)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method in ("cuda_magic", "accelerate"):
+        for i, method in enumerate(METHODS):
             t0 = time.monotonic()
-            mp.start_processes(rank_main, args=(method, f"{tmp}/{method}-init", tmp, capacity, args.timeout),
-                               nprocs=2, start_method="spawn", join=True)
+            mp.start_processes(rank_main, args=(method, f"{tmp}/{i}-init", tmp, capacity, args.timeout, PHASE,
+                                                ALLOCATOR), nprocs=2, start_method="spawn", join=True)
             wall = time.monotonic() - t0
             res = [torch.load(f"{tmp}/{method}{r}.pt", weights_only=False) for r in range(2)]
             equal = all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"]))
             ends = ", ".join(f"rank {r['rank']}: " + (str(r["value"]) if "value" in r else r["error"]) for r in res)
-            rows.append((method, ends, best, f"{wall:.1f}", max(r["seconds"] for r in res), equal))
-    print(f"`{' '.join([Path(sys.executable).name, *sys.argv])}` (2 processes, gloo, process group timeout "
-          f"{args.timeout:g} s, torch {torch.__version__}, {os.cpu_count()} cores)\n")
-    print("| method | what each rank ended at | largest that fits rank 1 | wall s (with process start) | "
-          "s in the call | models equal across ranks |")
-    print("|---|---|---|---|---|---|")
-    for method, ends, fit, wall, seconds, equal in rows:
-        print(f"| {method} | {ends} | {fit} | {wall} | {seconds:.1f} | {equal} |")
+            tried = " / ".join(" ".join(map(str, r.get("tried") or [])) or "-" for r in res)
+            values = {r.get("value") for r in res}
+            found = values.pop() if len(values) == 1 and None not in values else None
+            share = f"{found} ({100 * found / best:.1f}%)" if found else "-"
+            rows.append((method, ends, tried, share, best, f"{wall:.1f}", max(r["seconds"] for r in res), equal))
+    print(f"`{' '.join([Path(sys.executable).name, *sys.argv])}` (2 processes, gloo, one rank out of memory in "
+          f"the {PHASE} pass at {w.BATCH}, {ALLOCATOR} allocator, process group timeout {args.timeout:g} s, "
+          f"torch {torch.__version__}, {os.cpu_count()} cores)\n")
+    print("| method | what each rank ended at | values each rank ran (rank 0 / rank 1) | found (of largest) | "
+          "largest that fits rank 1 | wall s (with process start) | s in the call | models equal across ranks |")
+    print("|---|---|---|---|---|---|---|---|")
+    for method, ends, tried, share, fit, wall, seconds, equal in rows:
+        print(f"| {method} | {ends} | {tried} | {share} | {fit} | {wall} | {seconds:.1f} | {equal} |")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def main(rank: int, world: int, init_file: str, scenario: str, out_dir: str) -> 
             result["outcome"] = str(report.outcome)
             result["ranks"] = getattr(report, "ranks", None)
             result["warnings"] = list(report.warnings)
+            result["reasons"] = [a.reason for a in report.attempts]
     except Exception as exc:  # noqa: BLE001 - what each rank stopped with is the test's to read
         report = guard.report if "block" in more else train.last_report
         result["ranks"] = getattr(report, "ranks", None) if report is not None else None

@@ -108,6 +108,10 @@ def test_every_rank_retries_together(tmp_path, world, scenario):
         elif phase == "step":                       # the others ran the step through, and undid it
             assert res["log"][:5] == [("start", 64, 1), "forward", "backward", "step", "done"], res["log"]
     assert "out of memory" not in texts[1]          # shown once, on rank 0 (silent here: it recovered)
+    if phase == "forward":                          # the rank that failed inside the model measured it on
+        for res in results:                         # slices of its batch (no collective): 2 runs
+            assert len(res["ranks"]) == 2, res["ranks"]
+        assert "predicted from the model measured on" in results[failing[0]]["reasons"][1], results[1]["reasons"]
 
 
 def test_accumulate_keeps_the_global_batch(tmp_path):

@@ -4,8 +4,10 @@ The same loop as recover/retrying.py, with every decision taken from what all ra
 fitted only where it fitted on every rank; after one that failed on some rank, every rank undoes it and
 the next value is the smallest that the ranks that ran out of memory predict (each rank the same value,
 so that with accumulate= the global batch, value x accumulation x world size, stays at least what it
-was). The model is not measured on slices of the failing batch here (that would run DDP's collectives
-on one rank). Every rank keeps the report, with every rank's figures; rank 0 shows it.
+was). A rank that ran out inside the model measures it on slices of its batch, as a single process does
+(recover/replay.py measures the module a DistributedDataParallel wraps, under no_sync: no collective
+runs), while the others wait at the meeting. Every rank keeps the report, with every rank's figures; rank
+0 shows it.
 """
 from __future__ import annotations
 
@@ -153,7 +155,3 @@ class RankedRetryLoop(RetryLoop):
         self._policy.adopt(agreed, self._policy.reason if agreed == proposal else
                            f"the smallest of the ranks' next values ({agreed})")
         return agreed
-
-    def _undo_failed(self, failure, value):
-        failure.replay = None            # measuring the model on slices would run DDP's collectives alone
-        return super()._undo_failed(failure, value)

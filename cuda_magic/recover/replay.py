@@ -18,6 +18,8 @@ holds. Not replayed: a model compiled with `torch.compile` or wrapped for severa
 """
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import time
 from dataclasses import dataclass, field
@@ -51,6 +53,7 @@ class Replay:
     state_at_failure: int       # bytes of its optimizers' state then
     keep_output: bool = False   # the cell binds the model's output (`out = model(x)`): it lives through
                                 # the backward pass (a language model's logits are per row too)
+    quiet: object = None        # a DistributedDataParallel's no_sync: the module it wraps is measured
 
     def measure(self, meter) -> ModelCost | None:
         """Run the model on two slices of the batch and fit its memory; None where it cannot be measured
@@ -141,6 +144,7 @@ class Replay:
             before = meter.allocated() or 0
             training = self.root.training
             with (torch.enable_grad() if training else torch.no_grad(),
+                  self.quiet() if self.quiet is not None else contextlib.nullcontext(),
                   _sampling(meter, before, done, [p for p in params if p.requires_grad])):
                 out = self.root(*args, **kwargs)
                 loss = _loss(out, torch) if training else None
@@ -259,7 +263,13 @@ def read_model_calls(tb) -> tuple[Progress | None, Replay | None]:
 
 
 def replay_of(calls, torch) -> Replay | None:
-    root = calls.root
+    root, quiet = calls.root, None
+    ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    if ddp is not None and isinstance(root, ddp):
+        # the module DDP wraps, measured alone: its gradient hooks stay inert without DDP's forward
+        # (Reducer::autograd_hook returns until prepare_for_backward), and no_sync() besides, so that
+        # measuring on the rank that failed runs no collective the other ranks would have to join
+        root, quiet = root.module, root.no_sync
     if type(root).__module__.startswith(_WRAPPERS) or type(root).__name__ == "OptimizedModule":
         return None
     rows = _rows([*calls.args, *calls.kwargs.values()], torch)
@@ -268,7 +278,7 @@ def replay_of(calls, torch) -> Replay | None:
     optimizers = _optimizers(calls.frames or [], root, torch)
     device = _device_of(root)
     return Replay(root, calls.failing, calls.args, calls.kwargs, rows, optimizers, _grad_bytes(root),
-                  _state_bytes(optimizers, device, torch))
+                  _state_bytes(optimizers, device, torch), quiet=quiet)
 
 
 def _device_of(root):
