@@ -149,6 +149,20 @@ def test_accelerate_notebook_launcher(tmp_path):
     assert len(ends) == 1, lines
 
 
+def test_torchrun(tmp_path):
+    # the README's script, on gloo: torchrun sets RANK, WORLD_SIZE and the rendezvous in the environment
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--standalone", "--max_restarts=0",
+                           str(WORKER.with_name("dist_launcher.py"))],
+                          capture_output=True, text=True, timeout=HARD_LIMIT, env=env, cwd=tmp_path)
+    lines = sorted(line.split("]:", 1)[-1].strip() for line in done.stdout.splitlines() if "rank " in line)
+    assert len(lines) == 2, done.stdout + done.stderr
+    assert all("of 2: batch_size=" in line and "recovered" in line for line in lines), lines
+    ends = {line.split(": ", 1)[1] for line in lines}     # the same value and the same parameters
+    assert len(ends) == 1, lines
+
+
 def test_search_agrees_on_every_probe(tmp_path):
     results, texts, wall = run_ranks(tmp_path, 2, "forward:one:search")
     value, _ = assert_same_and_clean(results, 2, "forward:one:search")
