@@ -38,13 +38,13 @@ def step(model, opt, X, Y, batch_size):
     return batch_size
 
 
-def rank_main(rank, method, init, out, capacity, timeout, phase, allocator):
+def rank_main(rank, method, init, out, capacity, timeout, allocator):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cuda_magic import oomguard, simulated_device
 
-    global PHASE, ALLOCATOR
-    PHASE, ALLOCATOR = phase, allocator
+    global ALLOCATOR
+    ALLOCATOR = allocator
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=timeout))
     model = DDP(w.make_model())
@@ -138,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(METHODS):
             t0 = time.monotonic()
-            mp.start_processes(rank_main, args=(method, f"{tmp}/{i}-init", tmp, capacity, args.timeout, PHASE,
+            mp.start_processes(rank_main, args=(method, f"{tmp}/{i}-init", tmp, capacity, args.timeout,
                                                 ALLOCATOR), nprocs=2, start_method="spawn", join=True)
             wall = time.monotonic() - t0
             res = [torch.load(f"{tmp}/{method}{r}.pt", weights_only=False) for r in range(2)]

@@ -288,6 +288,20 @@ class GuardedRun:
             report.reclaimed[self.meter.key] = attempt.reclaimed     # per clean-up, never summed
         self.failure = failure
 
+    def let_go(self, exc: BaseException) -> None:
+        """Free what an error that is not out of memory held (an attempt another rank stopped, or that
+        waited in a collective for it): its frames and chain, what a failed backward pass left in the
+        autograd engine, then the caches."""
+        import gc
+
+        from cuda_magic.recover.cleanup import empty_caches
+        from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception
+
+        drop_exception(exc, user_ns=self.namespace, sever=True)
+        drain_autograd()
+        gc.collect(1)
+        empty_caches(self.meter)
+
     def _names_at(self, failure: Failure) -> None:
         """The names holding memory at the failure, those the failing cell uses (it reads them, or its
         frames hold their modules and optimizers), and the containers that grew during the run."""

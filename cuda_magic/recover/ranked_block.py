@@ -14,10 +14,9 @@ block on every rank with the same RankError.
 """
 from __future__ import annotations
 
-import gc
-
-from cuda_magic.recover.ranks import (PeerStopped, Ranks, failed_ranks, failure_line, fingerprint,
-                                      is_collective_error, rank_words, verdict)
+from cuda_magic.recover.ranks import (FRESH_GROUP_NOTE, PeerStopped, Ranks, error_words, failed_ranks,
+                                      failure_line, fingerprint, is_collective_error, rank_words, settled,
+                                      verdict)
 from cuda_magic.recover.report import Outcome
 
 
@@ -50,11 +49,9 @@ class RankedBlock:
         entry = {"value": None, "peak": attempt.peak, "requested": attempt.requested, "at": "end"}
         if result.error is not None:
             if not stopped:
-                error = result.error
-                entry["state"] = "error"
-                entry["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+                entry["state"], entry["error"] = "error", error_words(result.error)
             if stopped or is_collective_error(str(result.error)):
-                _let_go(result.error, run.meter)   # its frames hold the block's tensors
+                run.let_go(result.error)           # its frames hold the block's tensors
                 result.error = None
         elif result.failure is not None:
             entry["state"] = "oom"
@@ -63,8 +60,7 @@ class RankedBlock:
             entry["state"] = "ok"
         del exc
         entries = ranks.stopped_with if stopped else ranks.meet(entry)
-        entries = [dict(e, state="stopped" if e["at"] == "forward" and e["state"] == "ok" else e["state"])
-                   for e in entries]
+        entries = settled(entries)
         run.report.ranks.append(entries)
         if verdict(entries) == "ok":          # raises RankError where a rank failed with another error
             return result
@@ -72,8 +68,7 @@ class RankedBlock:
         report.outcome, report.exception_text = Outcome.OOM, ""
         run.note(rank_words(entries, f"the {report.ranked_what}"))
         if ranks.reset_ddps(entries):
-            run.note("a collective failed while a rank was out of memory: DistributedDataParallel continues on "
-                     "a fresh process group (same ranks, backend and timeout); the old group is not usable")
+            run.note(FRESH_GROUP_NOTE)
         self._compare(entries)
         result.error = None
         return result
@@ -92,13 +87,3 @@ class RankedBlock:
                           "checkpoint on every rank before going on, or guard the step with "
                           "@oomguard(retry=...), which undoes it on every rank")
 
-
-def _let_go(error, meter) -> None:
-    """Free what a block stopped for another rank held: its exception's frames, then the caches."""
-    from cuda_magic.recover.cleanup import empty_caches
-    from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception
-
-    drop_exception(error, sever=True)
-    drain_autograd()
-    gc.collect(1)
-    empty_caches(meter)

@@ -12,7 +12,8 @@ runs), while the others wait at the meeting. Every rank keeps the report, with e
 from __future__ import annotations
 
 from cuda_magic.devices.meter import capacity_of
-from cuda_magic.recover.ranks import PeerStopped, RankError, Ranks, failure_line, rank_words, verdict
+from cuda_magic.recover.ranks import (FRESH_GROUP_NOTE, PeerStopped, RankError, Ranks, error_words, failure_line,
+                                      rank_words, settled, verdict)
 from cuda_magic.recover.report import Outcome
 from cuda_magic.recover.retrying import RetryLoop
 
@@ -105,7 +106,7 @@ class RankedRetryLoop(RetryLoop):
             entries = ranks.stopped_with
         else:
             if error is not None:
-                state, entry["error"] = "error", f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                state, entry["error"] = "error", error_words(error)
             elif failure is not None:
                 state = "oom"
                 entry["line"], entry["in"] = failure_line(failure)
@@ -118,10 +119,9 @@ class RankedRetryLoop(RetryLoop):
             entry["state"] = state
             entries = ranks.meet(entry)
         if error is not None:
-            error.__traceback__ = None       # its frames hold the attempt's tensors: let them go
+            run.let_go(error)                # its frames hold the attempt's tensors: let them go
             del error
-        entries = [dict(e, value=value, state="stopped" if e["at"] == "forward" and e["state"] == "ok" else e["state"])
-                   for e in entries]
+        entries = settled(entries, value=value)
         run.report.ranks.append(entries)
         words = rank_words(entries, f"{self.spec.variable}={value}")
         fitted = verdict(entries) == "ok"
@@ -136,8 +136,7 @@ class RankedRetryLoop(RetryLoop):
             if policy is not None:
                 policy.record(value, False)
         if ranks.reset_ddps(entries):
-            run.note("a collective failed while a rank was out of memory: DistributedDataParallel continues on "
-                     "a fresh process group (same ranks, backend and timeout); the old group is not usable")
+            run.note(FRESH_GROUP_NOTE)
         return False, result, entries
 
     def _record(self, policy, value, ok, result, progress):

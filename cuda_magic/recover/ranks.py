@@ -157,6 +157,22 @@ class Ranks:
         return broken and bool(self.ddps)
 
 
+FRESH_GROUP_NOTE = ("a collective failed while a rank was out of memory: DistributedDataParallel continues on a "
+                    "fresh process group (same ranks, backend and timeout); the old group is not usable")
+
+
+def error_words(error: BaseException) -> str:
+    """What a rank's entry says of an error that is not out of memory: the same on every rank that reads it."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+
+
+def settled(entries: list[dict], **more) -> list[dict]:
+    """Every rank's entry at the end of an attempt: a rank that met the others after a forward pass and was
+    told to stop reads "stopped"; `more` is set on each (the attempt's value)."""
+    return [dict(e, **more, state="stopped" if e["at"] == "forward" and e["state"] == "ok" else e["state"])
+            for e in entries]
+
+
 def first_failed(entries: list[dict]) -> int:
     failed = [e["rank"] for e in entries if e["state"] == "oom"] or [e["rank"] for e in entries
                                                                     if e["state"] != "ok"]

@@ -149,6 +149,12 @@ class Measured:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
+    def fitting(self, available: int, kept: bool = False) -> tuple[int | None, int | None]:
+        """(the largest value `measured_max` predicts to fit in `available` bytes, the largest of those the
+        caching allocator serves: `allocator_max`, None where there is no allocator to ask)."""
+        measured = self.measured_max(available, kept)
+        return measured, None if measured is None else self.allocator_max(measured, kept)
+
     @property
     def knows_progress(self) -> bool:
         """Whether the failure came a known share of the way through the model's forward pass."""
@@ -180,11 +186,8 @@ class Prediction:
 def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction | None:
     """From the model measured on slices of the batch that failed at `m.value` (recover/replay.py):
     MEASURED_SHARE of the largest value whose training step fits in `available` bytes."""
-    measured = m.measured_max(available, kept)
-    if measured is None:
-        return None
-    served = m.allocator_max(measured, kept)
-    if served == 0:
+    measured, served = m.fitting(available, kept)
+    if measured is None or served == 0:
         return None
     cost = m.progress.cost
     checked = ""
@@ -580,10 +583,7 @@ class BatchSearch:
         allocations replayed on the caching allocator where there is one: the probes up stop there."""
         if m.ok or not m.knows_progress or m.progress.cost is None:
             return None
-        most = m.measured_max(available, self.accumulating)
-        if most is None:
-            return None
-        served = m.allocator_max(most, self.accumulating)
+        most, served = m.fitting(available, self.accumulating)
         return most if served is None else served or None
 
     @staticmethod

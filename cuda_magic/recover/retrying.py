@@ -36,6 +36,7 @@ class RetryLoop:
     def __init__(self, run):
         self.guarded = run
         self.spec = run.options.retry
+        self._measured = False          # a failure was measured on slices of its batch (recover/replay.py)
         self.values = run.values
         report = run.report
         report.retry = self.retry = Retry(self.spec.variable, int(self.values[self.spec.variable]),
@@ -162,7 +163,7 @@ class RetryLoop:
             checkpoint.restore()   # the states, now that the failure's memory is back (its names: done)
         # --search: the first failure only (its measure bounds the probes up; the later ones, near the
         # largest value, would each cost a measure for little)
-        searched = self.spec.search and getattr(self, "_measured", False)
+        searched = self.spec.search and self._measured
         if (replay is None or progress is None or searched or replay.rows != value
                 or not checkpoint.holds(replay.root)):
             return progress
