@@ -287,3 +287,20 @@ def test_output_sizes_are_predicted_once_per_shape(torch_warm):
             big @ big.T             # 22 MiB reserved (a 2 MiB and a 20 MiB segment), 64 MiB more asked
         assert len(dev._mode.predicted) > cached
         assert dev.allocated == (256 * 256 + 256 * 256 + 4096 * 512) * 4
+
+
+def test_each_tensor_of_a_foreach_ops_list_is_counted():
+    # `_foreach_add.Scalar(Tensor[] self, Scalar scalar) -> Tensor[]` (aten/src/ATen/native/native_functions.yaml,
+    # torch 2.2 to 2.13): one return, a list; clip_grad_norm_ calls `_foreach_norm` on the CPU, and optimizers
+    # with foreach=True (the default on CUDA) make every temporary so
+    import torch
+
+    from cuda_magic.devices.simulated import simulated_device
+
+    for allocator, each in (("plain", 4000), ("caching", 4096)):
+        with simulated_device(1 << 30, allocator=allocator) as device:
+            xs = [torch.ones(1000) for _ in range(4)]
+            before = device.allocated
+            out = torch._foreach_add(xs, 1.0)
+            assert device.allocated - before == 4 * each, allocator
+            del xs, out

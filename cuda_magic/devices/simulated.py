@@ -98,9 +98,13 @@ def _get_mode_class():
             if info is None:
                 schema = func._schema
                 fresh = tuple(r.alias_info is None for r in schema.returns)
+                # a view op (every return an alias that is not written: view, t, detach, expand) makes no
+                # storage and resizes none: nothing to count after it
+                views = bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                                     for r in schema.returns)
                 info = schemas[func] = (fresh, any(fresh), any(a.name == "device" for a in schema.arguments),
-                                        func in lift_fresh)
-            fresh, any_fresh, has_device, lifted = info
+                                        func in lift_fresh, views)
+            fresh, any_fresh, has_device, lifted, views = info
             if any_fresh and self.device.checks_before:
                 needed = self._predict(func, fresh, has_device, args, kwargs)
                 if needed:
@@ -111,7 +115,8 @@ def _get_mode_class():
                 if self.device._pending:          # blocks taken for outputs the op did not make
                     self.device._drop_pending()
                 raise
-            self.device._track_outputs(out, fresh, lifted)
+            if not views or lifted:
+                self.device._track_outputs(out, fresh, lifted)
             return out
 
         def _predict(self, func, fresh, has_device, args, kwargs):
@@ -140,7 +145,7 @@ def _get_mode_class():
                 meta_out = func(*meta_args, **meta_kwargs)
             except Exception:
                 return None  # no meta kernel (data-dependent shapes): counted after the op instead
-            outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+            outs = meta_out if isinstance(meta_out, tuple) else (meta_out,)   # (a list is one Tensor[] return)
             sizes, seen = [], set()
             for is_fresh, value in zip(fresh, outs):
                 if not is_fresh:
@@ -158,6 +163,11 @@ def _get_mode_class():
     _tensor_type = tensor_type
     _mode_class = SimulatedMemoryMode
     return _mode_class
+
+
+def counting_mode_class():
+    """The dispatch mode class that counts a device's storages (built on first use): a fake run extends it."""
+    return _get_mode_class()
 
 
 class SimulatedDevice:
@@ -262,10 +272,14 @@ class SimulatedDevice:
             raise RuntimeError("this simulated device is already active")
         if self.follows_settings:
             self.model.configure(_named(allocator_settings()), strict=False)
-        self._mode = _get_mode_class()(self)
+        self._mode = self._make_mode()
         self._mode.__enter__()
         _active.append(self)
         return self
+
+    def _make_mode(self):
+        """The dispatch mode that counts for this device (a subclass may extend it: fakerun/fake_run.py)."""
+        return _get_mode_class()(self)
 
     def stop(self) -> None:
         """Stop counting new storages. Storages already counted keep being given back when freed."""
@@ -477,7 +491,9 @@ class SimulatedDevice:
 
     def _track_outputs(self, out, fresh, lifted: bool) -> None:
         tensor_type = _tensor_type
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        # an op of several returns gives a tuple; a list is one return of type Tensor[] (the _foreach_ ops),
+        # each of its tensors counted
+        outs = out if isinstance(out, tuple) else (out,)
         model = self.model
         grown = 0
         failure = None

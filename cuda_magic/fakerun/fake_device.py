@@ -56,6 +56,11 @@ class FakeDevice(SimulatedDevice):
             self.allocated = self.fixed
         self.peak = self.allocated
 
+    mode_factory = None                  # device -> its dispatch mode (the fake run's, fakerun/fake_run.py)
+
+    def _make_mode(self):
+        return self.mode_factory(self) if self.mode_factory is not None else super()._make_mode()
+
     @property
     def key(self) -> str:
         return self._key

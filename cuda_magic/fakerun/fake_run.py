@@ -114,26 +114,43 @@ class _LoopTicks:
             raise Enough(f"after {STEPS} iterations of the cell's loop")
 
 
-def _stand_in_mode_class():
+_RUN_MODE = None
+
+
+def _run_mode_class():
+    """The one dispatch mode of a fake run, above torch's FakeTensorMode: the fake device's count
+    (devices/simulated.py's mode, whose dispatch it extends) and the stand-in values, in one layer (each
+    Python mode layer costs every op of the run a trip through the dispatcher)."""
+    global _RUN_MODE
+    if _RUN_MODE is not None:
+        return _RUN_MODE
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch.utils._python_dispatch import _disable_current_modes as disabled
+
+    from cuda_magic.devices.simulated import counting_mode_class
 
     from torch._subclasses.fake_tensor import FakeTensor as fake_type
 
     from cuda_magic.fakerun.uniform import Uniform
 
     local_scalar = torch.ops.aten._local_scalar_dense.default
+    device_of = torch.ops.prim.device.default
     cpu = torch.device("cpu")
-    index_ops = {getattr(torch.ops.aten.randperm, name) for name in ("default", "generator")
-                 if hasattr(torch.ops.aten.randperm, name)}
+    index_ops = tuple(getattr(torch.ops.aten.randperm, name) for name in ("default", "generator")
+                      if hasattr(torch.ops.aten.randperm, name))     # (OpOverload hashes in Python: `is`)
 
-    class StandIns(TorchDispatchMode):
-        """`.item()` on a fake tensor gives a stand-in value (and the line is noted)."""
+    counting = counting_mode_class()
+    count_dispatch = counting.__torch_dispatch__
 
-        def __init__(self, cell_filename, real_of):
-            super().__init__()
+    class RunMode(counting):
+        """Counts every op's fresh outputs on the fake device; `.item()` on a fake tensor gives a stand-in
+        value (and the line is noted)."""
+
+        def __init__(self, device, cell_filename, real_of, cache=None):
+            super().__init__(device)
+            self.cache = cache                # fakerun/op_cache.py: repeated ops skip FakeTensorMode
+            self.fresh: dict = {}             # op -> (True,) * its returns
             self.cell_filename = cell_filename
             self.real_of = real_of            # id(fake copy of a one-element tensor) -> its real value
             self.lines: list[str] = []
@@ -142,7 +159,12 @@ def _stand_in_mode_class():
             self.uniform = Uniform()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in index_ops and (kwargs or {}).get("device") in (None, cpu):
+            if func is device_of and isinstance(args[0], fake_type):
+                # a fake tensor's device asked from C++ (autograd, TensorIterator: a third of the calls of a
+                # training step): what FakeTensorMode answers (its `_device_handler`, torch 2.2 to 2.13: the
+                # `device` property), without the trip through both modes
+                return args[0].device
+            if (func is index_ops[0] or func is index_ops[-1]) and (kwargs or {}).get("device") in (None, cpu):
                 with disabled():                  # a sampler's order (DataLoader(shuffle=True)): real, in
                     return func(*args, **(kwargs or {}))   # host memory, so that its .tolist() is real
             if func is local_scalar and not isinstance(args[0], fake_type):
@@ -172,11 +194,25 @@ def _stand_in_mode_class():
                 if dtype is torch.bool:
                     return False
                 return 0.0 if (dtype.is_floating_point or dtype.is_complex) else 1
-            out = func(*args, **(kwargs or {}))
+            cache = self.cache
+            key = cache.key(func, args, kwargs) if cache is not None and cache.keeps(func) else None
+            if key is not None:
+                out = cache.outputs(key)
+                if out is not None:
+                    fresh = self.fresh.get(func)
+                    if fresh is None:
+                        fresh = self.fresh[func] = (True,) * len(func._schema.returns)
+                    self.device._track_outputs(out, fresh, False)
+                    self.uniform.after(func, args, kwargs, out)
+                    return out
+            out = count_dispatch(self, func, types, args, kwargs)
+            if key is not None:
+                cache.remember(key, args, kwargs, out)
             self.uniform.after(func, args, kwargs, out)
             return out
 
-    return StandIns
+    _RUN_MODE = RunMode
+    return RunMode
 
 
 def _user_line(frame, cell_filename) -> str:
@@ -251,6 +287,7 @@ class FakeRunner:
         from cuda_magic.devices.recorder import Recorder
         from cuda_magic.fakerun.fake_device import FakeDevice, KindTally
         from cuda_magic.fakerun.fakes import FakeCopies
+        from cuda_magic.fakerun.op_cache import OpCache
 
         t0 = time.perf_counter()
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -270,10 +307,13 @@ class FakeRunner:
             self.binds[index][name] = fake
         self.binds[0][LOOP_TICK] = _LoopTicks()
         hooks = _Hooks(tally, copies)
-        stand_ins = _stand_in_mode_class()(self.cell_filename, copies.values)
+        mode_class = _run_mode_class()
+        cache = OpCache(fake_mode)
+        device.mode_factory = lambda d: mode_class(d, self.cell_filename, copies.values, cache)
         stop = enough = None
         try:
-            with hooks, fake_mode, device, stand_ins, self.autocast():
+            with hooks, fake_mode, device, self.autocast():
+                stand_ins = device._mode
                 try:
                     self.call()
                 except Enough as done:

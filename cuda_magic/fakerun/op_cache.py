@@ -1,0 +1,151 @@
+"""The sizes of an op's fresh outputs, remembered by its arguments' metadata, so that a fake run's repeated
+ops (a training step repeats the same ops on the same shapes) skip torch's FakeTensorMode.
+
+FakeTensorMode (torch/_subclasses/fake_tensor.py) caches too, from 2.3 on, but its key (`_cache_key`,
+`_prep_args_for_hash`, a `TensorMetadata` of twenty fields for every tensor argument) costs more than the
+rest of a fake op; torch 2.2 has no cache at all. This one keys an op on what its meta kernel reads of its
+arguments (a tensor's sizes, strides, offset, dtype, layout and device; every other argument as it is) and
+the state that can change an output's metadata below autograd (the default dtype, inference mode), and
+makes each output as FakeTensorMode's own cache does (`_get_output_tensor_from_cache_entry`: an
+`empty_strided` on the meta device, wrapped in a FakeTensor of the fake device). What a key gives follows
+from the key alone, so the fake runs of a process share the entries.
+
+Only ops whose every return is fresh (no view, no in-place, no out=) and that take no random seed
+(`nondeterministic_seeded`) are kept, and an entry only where the op ran cleanly once and each output was
+a dense, plain FakeTensor of a storage of its own, exactly the size `empty_strided` makes, with no
+constant value; every argument must be a fake tensor of the run's mode (a real tensor is converted by
+FakeTensorMode, which must see it).
+"""
+from __future__ import annotations
+
+MAX_ENTRIES = 20_000           # keys kept (every fake run of the process shares them); past this: anew
+_NO = object()                 # the key is known not to be kept
+_ENTRIES: dict = {}            # key -> (the container of several outputs or None, each output's metadata)
+_OPS: dict = {}                # op -> whether its kind may be kept
+
+
+class OpCache:
+    def __init__(self, fake_mode):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.torch, self.fake_type, self.mode = torch, FakeTensor, fake_mode
+        self.tensor_type = torch.Tensor
+        self.strided = torch.strided
+        self.meta = torch.device("meta")
+        self.no_dispatch = torch._C._DisableTorchDispatch
+        seeded = getattr(torch.Tag, "nondeterministic_seeded", None)
+        self._seeded = seeded
+        self._ops = _OPS
+        self.entries = _ENTRIES          # an output's metadata follows from the key alone: shared by runs
+        self.hits = self.misses = 0
+
+    # -- which ops --------------------------------------------------------------------------------------
+    def keeps(self, func) -> bool:
+        ok = self._ops.get(func)
+        if ok is None:
+            schema = func._schema
+            ok = (bool(schema.returns)
+                  and all(r.alias_info is None for r in schema.returns)
+                  and all(a.alias_info is None for a in schema.arguments)
+                  and (self._seeded is None or self._seeded not in func.tags)
+                  and all(str(r.type) in ("Tensor", "Tensor[]", "List[Tensor]") for r in schema.returns))
+            self._ops[func] = ok
+        return ok
+
+    # -- the key ----------------------------------------------------------------------------------------
+    def _arg(self, x):
+        if isinstance(x, self.tensor_type):
+            if type(x) is not self.fake_type or x.fake_mode is not self.mode or x.constant is not None:
+                raise _Skip
+            dtype = x.dtype
+            if dtype.is_complex or x.layout is not self.strided:
+                raise _Skip
+            return (x.shape, x.stride(), x.storage_offset(), dtype, x.fake_device, x.requires_grad)
+        if isinstance(x, (list, tuple)):
+            return (type(x), *map(self._arg, x))
+        if isinstance(x, dict):
+            return (dict, *((k, self._arg(v)) for k, v in x.items()))
+        hash(x)                         # unhashable: not kept (TypeError)
+        return x
+
+    def key(self, func, args, kwargs):
+        """The key of this call, or None where it cannot be kept."""
+        torch = self.torch
+        try:
+            key = (func, self._arg(args), self._arg(kwargs) if kwargs else (), torch.get_default_dtype(),
+                   torch.is_inference_mode_enabled())
+            hash(key)
+        except (_Skip, TypeError, RuntimeError, NotImplementedError, AttributeError):
+            return None
+        return key
+
+    # -- entries ----------------------------------------------------------------------------------------
+    def outputs(self, key):
+        """New fake outputs for a kept key, or None where it has none (yet, or ever)."""
+        entry = self.entries.get(key)
+        if entry is None or entry is _NO:
+            return None
+        self.hits += 1
+        many, metas = entry
+        made = [self._make(m) for m in metas]
+        if many is None:
+            return made[0]
+        return many(made)
+
+    def _make(self, meta):
+        shape, stride, dtype, device, requires_grad = meta
+        with self.no_dispatch():
+            empty = self.torch.empty_strided(shape, stride, dtype=dtype, device=self.meta,
+                                             requires_grad=requires_grad)
+        return self.fake_type(self.mode, empty, device)
+
+    def remember(self, key, args, kwargs, out) -> None:
+        """Keep what the op made (`out`), where it can be made again as it was."""
+        self.misses += 1
+        if len(self.entries) >= MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[key] = self._entry(args, kwargs, out)
+
+    def _entry(self, args, kwargs, out):
+        torch = self.torch
+        many = None
+        outs = (out,)
+        if isinstance(out, (tuple, list)):
+            many, outs = type(out), tuple(out)
+        if not outs:
+            return _NO
+        seen = set()
+        for a in _tensors(args, self.tensor_type) + _tensors(kwargs, self.tensor_type):
+            seen.add(a.untyped_storage()._cdata)
+        metas = []
+        for t in outs:
+            if (type(t) is not self.fake_type or t.fake_mode is not self.mode or t.constant is not None
+                    or t.layout is not torch.strided or t.dtype.is_complex or t.storage_offset() != 0
+                    or t.is_conj() or t.is_neg()):
+                return _NO
+            storage = t.untyped_storage()
+            if storage._cdata in seen:          # it shares an input's storage (or another output's)
+                return _NO
+            seen.add(storage._cdata)
+            meta = (tuple(t.shape), t.stride(), t.dtype, t.fake_device, t.requires_grad)
+            with self.no_dispatch():
+                probe = torch.empty_strided(meta[0], meta[1], dtype=meta[2], device=self.meta)
+            if probe.untyped_storage().nbytes() != storage.nbytes():
+                return _NO
+            metas.append(meta)
+        return many, tuple(metas)
+
+
+class _Skip(Exception):
+    pass
+
+
+def _tensors(x, tensor_type) -> list:
+    if isinstance(x, tensor_type):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v, tensor_type)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v, tensor_type)]
+    return []
