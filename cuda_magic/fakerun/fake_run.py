@@ -195,6 +195,16 @@ def _run_mode_class():
                     return False
                 return 0.0 if (dtype.is_floating_point or dtype.is_complex) else 1
             cache = self.cache
+            if cache is not None and cache.writes_first(func):
+                key = cache.in_place_key(func, args, kwargs)
+                if key is not None and cache.ran_in_place(key):
+                    out = args[0] if func._schema.returns else None
+                else:
+                    out = count_dispatch(self, func, types, args, kwargs)
+                    if key is not None:
+                        cache.remember_in_place(key, args, out)
+                self.uniform.after(func, args, kwargs, out)
+                return out
             key = cache.key(func, args, kwargs) if cache is not None and cache.keeps(func) else None
             if key is not None:
                 out = cache.outputs(key)
@@ -344,11 +354,23 @@ class FakeRunner:
 
 class _Hooks:
     """While a fake run goes: optimizer steps and module calls are followed (the kind of what they make),
-    gradients are labelled as autograd accumulates them, and the run ends after the second step."""
+    gradients are labelled as autograd accumulates them, and the run ends after the second step.
+
+    An optimizer picks its implementation as it would for the real parameters: torch/optim/optimizer.py's
+    `_default_to_fused_or_foreach` (2.2 to 2.13; every optimizer with a `foreach` option calls it when the
+    user chose none) takes the foreach kernels only for tensors whose `type(p)` is in the module's list
+    `_foreach_supported_types` (Tensor, Parameter) and whose device is one of
+    `_get_foreach_kernels_supported_devices()` (cuda, xpu, the privateuse1 backend; never the CPU). A fake
+    copy's type is FakeTensor, so without FakeTensor in that list every fake run would take the
+    one-tensor-at-a-time path where a GPU takes foreach, whose `_foreach_sqrt` and friends make a whole
+    set of parameter-sized temporaries at once: a low figure for every training cell on a GPU. With it the
+    choice follows the fake tensor's device, the real one's: foreach on CUDA, as before on the CPU (the
+    simulated device)."""
 
     def __init__(self, tally, copies):
         self.tally, self.copies = tally, copies
         self.handles = []
+        self.foreach_types = None
         self.steps: dict[int, int] = {}
         self.enough = None
 
@@ -391,6 +413,12 @@ class _Hooks:
             for p in module.parameters():
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(accumulated))
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        types = getattr(optimizer_hooks, "_foreach_supported_types", None)
+        if isinstance(types, list) and FakeTensor not in types:
+            types.append(FakeTensor)
+            self.foreach_types = types
         del torch
         return self
 
@@ -398,5 +426,11 @@ class _Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.foreach_types is not None:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            while FakeTensor in self.foreach_types:
+                self.foreach_types.remove(FakeTensor)
+            self.foreach_types = None
         self.tally.in_step = self.tally.in_module = 0
         return False

@@ -10,8 +10,15 @@ makes each output as FakeTensorMode's own cache does (`_get_output_tensor_from_c
 `empty_strided` on the meta device, wrapped in a FakeTensor of the fake device). What a key gives follows
 from the key alone, so the fake runs of a process share the entries.
 
-Only ops whose every return is fresh (no view, no in-place, no out=) and that take no random seed
-(`nondeterministic_seeded`) are kept, and an entry only where the op ran cleanly once and each output was
+An in-place op that writes only its first argument and returns it (or nothing: the `_foreach_*_` ops)
+changes no metadata (the ops that do, `resize_`, `set_` and those tagged `inplace_view`, are left out),
+so once it ran cleanly on a key it gives its first argument back at once, as FakeTensorMode's own cache
+does for in-place ops (`_get_output_tensor_from_cache_entry`: `args[entry.inplace_idx]`, 2.3 to 2.13).
+Its key takes a float argument's type, not its value (an optimizer's step size changes every step; a
+float's value changes what an in-place op writes, never what it checks or the tensor's metadata).
+
+Fresh ops are kept only where every return is fresh (no view, no in-place, no out=) and the op takes no
+random seed (`nondeterministic_seeded`), and an entry only where the op ran cleanly once and each output was
 a dense, plain FakeTensor of a storage of its own, exactly the size `empty_strided` makes, with no
 constant value; every argument must be a fake tensor of the run's mode (a real tensor is converted by
 FakeTensorMode, which must see it).
@@ -22,6 +29,8 @@ MAX_ENTRIES = 20_000           # keys kept (every fake run of the process shares
 _NO = object()                 # the key is known not to be kept
 _ENTRIES: dict = {}            # key -> (the container of several outputs or None, each output's metadata)
 _OPS: dict = {}                # op -> whether its kind may be kept
+_IN_PLACE: dict = {}           # op -> whether it writes only its first argument, metadata unchanged
+_DONE = True                   # an in-place key that ran cleanly
 
 
 class OpCache:
@@ -37,6 +46,8 @@ class OpCache:
         seeded = getattr(torch.Tag, "nondeterministic_seeded", None)
         self._seeded = seeded
         self._ops = _OPS
+        self._in_place = _IN_PLACE
+        self._inplace_view = getattr(torch.Tag, "inplace_view", None)
         self.entries = _ENTRIES          # an output's metadata follows from the key alone: shared by runs
         self.hits = self.misses = 0
 
@@ -53,7 +64,59 @@ class OpCache:
             self._ops[func] = ok
         return ok
 
+    def writes_first(self, func) -> bool:
+        """An in-place op that writes its first argument only, and returns it or nothing."""
+        ok = self._in_place.get(func)
+        if ok is None:
+            schema = func._schema
+            arguments, returns = schema.arguments, schema.returns
+            first = arguments[0].alias_info if arguments else None
+            name = schema.name
+            ok = (first is not None and first.is_write
+                  and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:])
+                  and not any(getattr(a, "is_out", False) for a in arguments)
+                  and (not returns or (len(returns) == 1 and returns[0].alias_info is not None
+                                       and returns[0].alias_info.is_write
+                                       and str(returns[0].type) == str(arguments[0].type)))
+                  and (self._inplace_view is None or self._inplace_view not in func.tags)
+                  and "resize" not in name and name not in ("aten::set_", "aten::detach_", "aten::swap_tensors"))
+            self._in_place[func] = ok
+        return ok
+
+    def in_place_key(self, func, args, kwargs):
+        """The key of an in-place call (floats by type), or None where it cannot be kept."""
+        torch = self.torch
+        try:
+            key = (func, tuple(self._loose(a) for a in args),
+                   tuple((k, self._loose(v)) for k, v in kwargs.items()) if kwargs else (),
+                   torch.get_default_dtype(), torch.is_inference_mode_enabled())
+            hash(key)
+        except (_Skip, TypeError, RuntimeError, NotImplementedError, AttributeError):
+            return None
+        return key
+
+    def ran_in_place(self, key) -> bool:
+        done = self.entries.get(key) is _DONE
+        if done:
+            self.hits += 1
+        return done
+
+    def remember_in_place(self, key, args, out) -> None:
+        """Keep an in-place call that gave its first argument back with its metadata as before."""
+        self.misses += 1
+        first = args[0]
+        if out is not None and out is not first:
+            return
+        if isinstance(first, self.tensor_type) and self._arg(first) != key[1][0]:
+            return
+        if len(self.entries) >= MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[key] = _DONE
+
     # -- the key ----------------------------------------------------------------------------------------
+    def _loose(self, x):
+        return float if type(x) is float else self._arg(x)
+
     def _arg(self, x):
         if isinstance(x, self.tensor_type):
             if type(x) is not self.fake_type or x.fake_mode is not self.mode or x.constant is not None:
