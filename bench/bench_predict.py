@@ -28,8 +28,11 @@ from model_cells import MODELS, RESNET, RESNET_CELL  # noqa: E402
 
 STEPS = 2
 REPEAT = 3      # real runs and predictions timed at each value: the median; the first prediction apart
+# the small GPT fits only 10 at 64 MiB, where the retry's margin (2.5%) rounds down by a whole 10%: a larger
+# simulated GPU makes the 5% criterion measurable on it
+CAPS = {"gpt": "192MiB"}
 CELLS = {
-    **{k: (what.format(steps=STEPS), setup, cell, "64MiB") for k, (what, setup, cell) in brt.CELLS.items()},
+    **{k: (what.format(steps=STEPS), setup, cell, CAPS.get(k, "64MiB")) for k, (what, setup, cell) in brt.CELLS.items()},
     **{k: (what, setup, cell, cap) for k, (what, setup, cell, cap, _) in MODELS.items()},
     "resnet": ("2 steps of SGD with momentum on a ResNet (torchvision's BasicBlock, 3 stages) through a "
                "DataLoader of uint8 images", RESNET, RESNET_CELL, "64MiB"),
