@@ -48,6 +48,47 @@ def test_the_gauge_follows_the_counters_and_leaves_no_thread(torch_warm):
     assert 0 < gauge.cpu_seconds < 1.0
 
 
+class Handle:
+    """Keeps what IPython.display.DisplayHandle.update(obj, raw=True) would publish."""
+
+    def __init__(self):
+        self.bundles = []
+
+    def update(self, obj, raw=False):
+        assert raw
+        self.bundles.append(obj)
+
+
+def test_the_saved_output_follows_the_first_reading_then_every_save_every_seconds_and_the_last(torch_warm):
+    # each display update renders the output again with a new widget view (the classic Notebook keeps
+    # them all until the cell runs again): the redraws go through the widget's value alone
+    ipywidgets = pytest.importorskip("ipywidgets")
+    torch = torch_warm
+    w, handle = ipywidgets.HTML(), Handle()
+    view = WidgetView(w, handle, {"application/vnd.jupyter.widget-view+json": {"model_id": w.model_id}})
+    dev = SimulatedDevice(1 << 30)
+    values = []
+    with dev:
+        gauge = LiveGauge(GaugeReader(SimMeter(dev)), view, delay=0.0, interval=0.01).start()
+        keep = []
+        for _ in range(30):
+            keep.append(torch.zeros(MiB // 4))
+            threading.Event().wait(0.01)
+            if w.value not in values:
+                values.append(w.value)
+        gauge.stop(hide=False)
+    assert gauge.updates >= 5 and len(values) >= 5                     # redrawn, through the widget
+    assert len(handle.bundles) == 2                                     # the first reading and the last
+    first, last = handle.bundles
+    assert last["text/html"] == w.value and "allocated 30.00 MiB" in last["text/plain"]
+    assert first["text/html"] != last["text/html"]
+    assert all("application/vnd.jupyter.widget-view+json" in b for b in handle.bundles)
+
+    view.SAVE_EVERY, handle.bundles = 0.0, []                          # an hour later: each reading saves
+    view.show(GaugeReader(SimMeter(dev)).read())
+    assert len(handle.bundles) == 1
+
+
 def test_a_short_cell_pays_only_for_the_thread(torch_warm):
     ipywidgets = pytest.importorskip("ipywidgets")
     w = ipywidgets.HTML()
@@ -209,7 +250,7 @@ class DrawnReadings:
     def __init__(self):
         self.readings = []
 
-    def show(self, reading) -> None:
+    def show(self, reading, *, final: bool = False) -> None:
         self.readings.append(reading)
 
     def hide(self) -> None:

@@ -86,22 +86,36 @@ def gauge_html(r) -> str:
 # ---- where it is drawn -----------------------------------------------------------------------------
 
 class WidgetView:
-    """The gauge as an ipywidgets HTML (already displayed: on its own, or inside a guard's widget). On its
-    own, `handle` is its output's display handle and `view` the output's widget-view item: each redraw
-    also updates the output's text/html and text/plain, so that a saved notebook (nbconvert, GitHub,
-    reopened without the widget state) shows the last reading, not a placeholder."""
+    """The gauge as an ipywidgets HTML (already displayed: on its own, or inside a guard's widget). A
+    redraw sets the widget's value: one comm message, the view in the page follows.
+
+    On its own, `handle` is its output's display handle and `view` the output's widget-view item; the
+    output's text/html and text/plain (what a saved notebook shows through nbconvert, GitHub, or reopened
+    without the widget state) follow the first reading, then one every SAVE_EVERY seconds, and the last
+    (`final=True`, the reading `--live off` leaves). Not each redraw: a display update makes the front end
+    render the output again, with a new view of the widget, and the classic Notebook keeps every view of
+    a cell's output until that cell runs again or is cleared (widgetsnbextension 3.x, extension.js: the
+    `_jupyterWidgetViews` of the output area), each redrawn on every later value: at 4 a second, an hour of
+    training would leave 14,400 views in the page."""
+
+    SAVE_EVERY = 30.0
 
     def __init__(self, html_widget, handle=None, view: dict | None = None):
         self.widget = html_widget
         self.handle = handle
         self.view = view or {}
+        self._saved_at: float | None = None
 
-    def show(self, reading) -> None:
+    def show(self, reading, *, final: bool = False) -> None:
         html = gauge_html(reading)
         self.widget.value = html
         if self.widget.layout.display == "none":
             self.widget.layout.display = None
-        if self.handle is not None:
+        if self.handle is None:
+            return
+        now = time.monotonic()
+        if final or self._saved_at is None or now - self._saved_at >= self.SAVE_EVERY:
+            self._saved_at = now
             self.handle.update({**self.view, "text/html": html, "text/plain": gauge_text(reading)}, raw=True)
 
     def hide(self) -> None:
@@ -115,7 +129,7 @@ class HandleView:
         self.handle = handle
         self.frame = frame
 
-    def show(self, reading) -> None:
+    def show(self, reading, *, final: bool = False) -> None:
         self.handle.update(self.frame(reading), raw=True)
 
     def hide(self) -> None:
@@ -231,7 +245,7 @@ class LiveGauge:
             if hide:
                 self.view.hide()
             else:
-                self.view.show(self.reader.read())
+                self.view.show(self.reader.read(), final=True)
         if self.error is not None:
             error, self.error = self.error, None
             warnings.warn(f"cuda_magic's live gauge stopped: {type(error).__name__}: {error}", stacklevel=2)
