@@ -41,8 +41,8 @@ def test_the_cache_changes_no_figure_of_a_prediction(tip, monkeypatch, setup, ce
     served = []
     outputs = op_cache.OpCache.outputs
 
-    def counting(self, key):
-        out = outputs(self, key)
+    def counting(self, key, args=()):
+        out = outputs(self, key, args)
         if out is not None:
             served.append(key[0])
         return out
@@ -61,7 +61,7 @@ def test_the_cache_changes_no_figure_of_a_prediction(tip, monkeypatch, setup, ce
     assert cached.by_line[columns].equals(plain.by_line[columns])
 
 
-def test_views_in_place_ops_and_random_ops_are_not_kept():
+def test_views_are_kept_in_place_ops_random_ops_and_lifts_are_not():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -70,14 +70,19 @@ def test_views_in_place_ops_and_random_ops_are_not_kept():
     cache = OpCache(FakeTensorMode(allow_non_fake_inputs=True))
     aten = torch.ops.aten
     assert cache.keeps(aten.mm.default) and cache.keeps(aten._foreach_add.Scalar)
-    assert not cache.keeps(aten.view.default)           # returns an alias of its input
+    assert cache.keeps(aten.view.default) and cache.keeps(aten.transpose.int)   # Tensor(a) -> Tensor(a)
+    assert cache.keeps(aten.split.Tensor)                                        # -> Tensor(a)[]
     assert not cache.keeps(aten.add_.Tensor)            # writes its input
     assert not cache.keeps(aten.add.out)                # writes out=
+    assert not cache.keeps(aten.transpose_.default)     # Tensor(a!): changes its input's metadata
     assert not cache.keeps(aten.randn.default)          # nondeterministic_seeded (tags.yaml)
     assert not cache.keeps(aten._local_scalar_dense.default)   # returns a number
+    assert not cache.keeps(aten.lift_fresh.default)     # Tensor(a) -> Tensor(a), but a constant's lift
 
 
-def test_an_output_that_shares_an_inputs_storage_is_not_kept():
+def test_a_view_is_made_again_on_its_inputs_storage_as_fake_tensor_mode_made_it():
+    # torch/_subclasses/fake_tensor.py (2.3 to 2.13), _get_output_tensor_from_cache_entry: a cached
+    # view is remade on the input's storage with the output's sizes, strides and offset (set_).
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -85,20 +90,67 @@ def test_an_output_that_shares_an_inputs_storage_is_not_kept():
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     cache = OpCache(mode)
+    aten = torch.ops.aten
     with mode:
         x = torch.empty(4, 8)
-        y = torch.ops.aten._unsafe_view.default(x, [8, 4])    # schema says fresh; it shares x's storage
-        z = torch.ops.aten.mm.default(x, torch.empty(8, 2))
-    func = torch.ops.aten._unsafe_view.default
-    key = cache.key(func, (x, [8, 4]), {})
-    cache.remember(key, (x, [8, 4]), {}, y)
-    assert cache.outputs(key) is None
+        other = torch.empty(4, 8)
+    calls = [(aten._unsafe_view.default, (x, [8, 4])),      # schema says fresh; it shares x's storage
+             (aten.slice.Tensor, (x, 1, 2, 6)),             # an offset and x's strides
+             (aten.transpose.int, (x, 0, 1)),
+             (aten.split.Tensor, (x, 3, 1))]                # several views, the last one narrower
+    for func, args in calls:
+        with mode:
+            first = func(*args)
+        key = cache.key(func, args, {})
+        cache.remember(key, args, {}, first)
+        again_args = (other, *args[1:])                     # same key: other has x's metadata
+        assert cache.key(func, again_args, {}) == key
+        made = cache.outputs(key, again_args)
+        firsts = first if isinstance(first, (list, tuple)) else [first]
+        mades = made if isinstance(made, (list, tuple)) else [made]
+        assert type(made) is type(first) and len(mades) == len(firsts), func
+        for m, f in zip(mades, firsts):
+            assert type(m) is type(f) and m.device == f.device and m.dtype == f.dtype
+            assert (m.shape, m.stride(), m.storage_offset()) == (f.shape, f.stride(), f.storage_offset())
+            assert m.untyped_storage()._cdata == other.untyped_storage()._cdata, func
+        with mode:
+            plain = func(*again_args)
+        plains = plain if isinstance(plain, (list, tuple)) else [plain]
+        assert [p.stride() for p in plains] == [m.stride() for m in mades]
+
+
+def test_a_fresh_output_gets_a_storage_of_its_own():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cuda_magic.fakerun.op_cache import OpCache
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cache = OpCache(mode)
     w = torch.ops.aten.mm.default
-    args = (x, torch.empty(8, 2, device="meta"))
     with mode:
+        x = torch.empty(4, 8)
         args = (x, torch.empty(8, 2))
+        z = w(*args)
         key = cache.key(w, args, {})
         cache.remember(key, args, {}, z)
-        made = cache.outputs(key)
+        made = cache.outputs(key, args)
     assert made.shape == z.shape and made.stride() == z.stride() and made.device == z.device
     assert made.untyped_storage()._cdata != z.untyped_storage()._cdata
+    assert made.untyped_storage()._cdata != x.untyped_storage()._cdata
+
+
+def test_an_output_that_is_an_input_is_not_kept():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cuda_magic.fakerun.op_cache import OpCache
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cache = OpCache(mode)
+    func = torch.ops.aten.alias.default
+    with mode:
+        x = torch.empty(4, 8)
+    key = cache.key(func, (x,), {})
+    cache.remember(key, (x,), {}, x)        # an op that hands its input back (as a decomposition may)
+    assert cache.outputs(key, (x,)) is None

@@ -150,7 +150,7 @@ def _run_mode_class():
         def __init__(self, device, cell_filename, real_of, cache=None):
             super().__init__(device)
             self.cache = cache                # fakerun/op_cache.py: repeated ops skip FakeTensorMode
-            self.fresh: dict = {}             # op -> (True,) * its returns
+            self.fresh: dict = {}             # op -> whether each return is fresh (None: none is)
             self.cell_filename = cell_filename
             self.real_of = real_of            # id(fake copy of a one-element tensor) -> its real value
             self.lines: list[str] = []
@@ -207,12 +207,14 @@ def _run_mode_class():
                 return out
             key = cache.key(func, args, kwargs) if cache is not None and cache.keeps(func) else None
             if key is not None:
-                out = cache.outputs(key)
+                out = cache.outputs(key, args)
                 if out is not None:
-                    fresh = self.fresh.get(func)
-                    if fresh is None:
-                        fresh = self.fresh[func] = (True,) * len(func._schema.returns)
-                    self.device._track_outputs(out, fresh, False)
+                    fresh = self.fresh.get(func, ())
+                    if fresh == ():             # a view op's returns are not fresh: nothing to count, as in
+                        fresh = tuple(r.alias_info is None for r in func._schema.returns)   # its dispatch
+                        self.fresh[func] = fresh = fresh if any(fresh) else None
+                    if fresh is not None:
+                        self.device._track_outputs(out, fresh, False)
                     self.uniform.after(func, args, kwargs, out)
                     return out
             out = count_dispatch(self, func, types, args, kwargs)

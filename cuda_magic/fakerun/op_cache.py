@@ -17,20 +17,31 @@ does for in-place ops (`_get_output_tensor_from_cache_entry`: `args[entry.inplac
 Its key takes a float argument's type, not its value (an optimizer's step size changes every step; a
 float's value changes what an in-place op writes, never what it checks or the tensor's metadata).
 
-Fresh ops are kept only where every return is fresh (no view, no in-place, no out=) and the op takes no
-random seed (`nondeterministic_seeded`), and an entry only where the op ran cleanly once and each output was
-a dense, plain FakeTensor of a storage of its own, exactly the size `empty_strided` makes, with no
-constant value; every argument must be a fake tensor of the run's mode (a real tensor is converted by
-FakeTensorMode, which must see it).
+Ops are kept where the op takes no random seed (`nondeterministic_seeded`) and either every return is
+fresh and no argument is an alias (no in-place, no out=), or every return is a view of its first argument,
+which nothing writes (view, t, transpose, slice, expand, split: the views are most of a transformer's
+ops). An entry is kept only where the op ran cleanly once and each output was a dense, plain FakeTensor,
+with no constant value, either of a storage of its own, exactly the size `empty_strided` makes, or of the
+first argument's storage (`_unsafe_view`, whose schema says fresh, too); every argument must be a fake
+tensor of the run's mode (a real tensor is converted by FakeTensorMode, which must see it). A view is
+made again as FakeTensorMode's cache makes one (`_get_output_tensor_from_cache_entry`, 2.3 to 2.13): an
+`empty_strided` on the meta device set onto the first argument's storage at the output's offset, sizes
+and strides, wrapped in a FakeTensor of the fake device; autograd's view bookkeeping (ADInplaceOrView)
+runs above the fake run's modes on what they return, as for FakeTensorMode's own output.
 """
 from __future__ import annotations
 
 MAX_ENTRIES = 20_000           # keys kept (every fake run of the process shares them); past this: anew
 _NO = object()                 # the key is known not to be kept
-_ENTRIES: dict = {}            # key -> (the container of several outputs or None, each output's metadata)
+_ENTRIES: dict = {}            # key -> (the container of several outputs or None, each output's metadata,
+                               # whether any is a view of the first argument)
 _OPS: dict = {}                # op -> whether its kind may be kept
 _IN_PLACE: dict = {}           # op -> whether it writes only its first argument, metadata unchanged
 _DONE = True                   # an in-place key that ran cleanly
+# alias-returning ops whose output is not a plain view of the first argument's storage: a tensor lifted
+# into the fake mode (devices/simulated.py counts it as new), or one whose result depends on more than
+# metadata
+_NOT_VIEWS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::set_", "aten::alias_copy"})
 
 
 class OpCache:
@@ -56,11 +67,17 @@ class OpCache:
         ok = self._ops.get(func)
         if ok is None:
             schema = func._schema
-            ok = (bool(schema.returns)
-                  and all(r.alias_info is None for r in schema.returns)
-                  and all(a.alias_info is None for a in schema.arguments)
+            returns, arguments = schema.returns, schema.arguments
+            fresh = (all(r.alias_info is None for r in returns)
+                     and all(a.alias_info is None for a in arguments))
+            view = (bool(arguments) and arguments[0].alias_info is not None
+                    and not arguments[0].alias_info.is_write
+                    and all(a.alias_info is None for a in arguments[1:])
+                    and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+                    and schema.name not in _NOT_VIEWS)
+            ok = (bool(returns) and (fresh or view)
                   and (self._seeded is None or self._seeded not in func.tags)
-                  and all(str(r.type) in ("Tensor", "Tensor[]", "List[Tensor]") for r in schema.returns))
+                  and all(str(r.type) in ("Tensor", "Tensor[]", "List[Tensor]") for r in returns))
             self._ops[func] = ok
         return ok
 
@@ -144,23 +161,30 @@ class OpCache:
         return key
 
     # -- entries ----------------------------------------------------------------------------------------
-    def outputs(self, key):
-        """New fake outputs for a kept key, or None where it has none (yet, or ever)."""
+    def outputs(self, key, args=()):
+        """New fake outputs for a kept key (views of `args[0]`'s storage where the op made views), or None
+        where it has none (yet, or ever)."""
         entry = self.entries.get(key)
         if entry is None or entry is _NO:
             return None
+        many, metas, views = entry
+        storage = args[0].untyped_storage() if views else None
+        try:
+            made = [self._make(m, storage) for m in metas]
+        except RuntimeError:            # the storage cannot hold the view (as_strided past its end):
+            return None                 # FakeTensorMode says so
         self.hits += 1
-        many, metas = entry
-        made = [self._make(m) for m in metas]
         if many is None:
             return made[0]
         return many(made)
 
-    def _make(self, meta):
-        shape, stride, dtype, device, requires_grad = meta
+    def _make(self, meta, storage):
+        shape, stride, offset, dtype, device, requires_grad, view = meta
         with self.no_dispatch():
             empty = self.torch.empty_strided(shape, stride, dtype=dtype, device=self.meta,
                                              requires_grad=requires_grad)
+            if view:
+                empty.set_(storage, offset, shape, stride)
         return self.fake_type(self.mode, empty, device)
 
     def remember(self, key, args, kwargs, out) -> None:
@@ -181,23 +205,30 @@ class OpCache:
         seen = set()
         for a in _tensors(args, self.tensor_type) + _tensors(kwargs, self.tensor_type):
             seen.add(a.untyped_storage()._cdata)
+        first = args[0] if args and type(args[0]) is self.fake_type else None
+        base = first.untyped_storage()._cdata if first is not None else None
+        inputs = {id(a) for a in _tensors(args, self.tensor_type)}
         metas = []
         for t in outs:
             if (type(t) is not self.fake_type or t.fake_mode is not self.mode or t.constant is not None
-                    or t.layout is not torch.strided or t.dtype.is_complex or t.storage_offset() != 0
-                    or t.is_conj() or t.is_neg()):
+                    or t.layout is not torch.strided or t.dtype.is_complex
+                    or t.is_conj() or t.is_neg() or id(t) in inputs):
                 return _NO
             storage = t.untyped_storage()
-            if storage._cdata in seen:          # it shares an input's storage (or another output's)
-                return _NO
-            seen.add(storage._cdata)
-            meta = (tuple(t.shape), t.stride(), t.dtype, t.fake_device, t.requires_grad)
-            with self.no_dispatch():
-                probe = torch.empty_strided(meta[0], meta[1], dtype=meta[2], device=self.meta)
-            if probe.untyped_storage().nbytes() != storage.nbytes():
-                return _NO
+            view = storage._cdata == base and base is not None
+            if not view:
+                if storage._cdata in seen or t.storage_offset() != 0:   # another input's storage, or an
+                    return _NO                                          # output's, or part of one
+                seen.add(storage._cdata)
+            meta = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.fake_device, t.requires_grad,
+                    view)
+            if not view:
+                with self.no_dispatch():
+                    probe = torch.empty_strided(meta[0], meta[1], dtype=meta[3], device=self.meta)
+                if probe.untyped_storage().nbytes() != storage.nbytes():
+                    return _NO
             metas.append(meta)
-        return many, tuple(metas)
+        return many, tuple(metas), any(m[-1] for m in metas)
 
 
 class _Skip(Exception):
