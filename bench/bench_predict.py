@@ -7,7 +7,8 @@ same start state (`reset()`): the real run's peak at a value about half the larg
 predicted peak at that value; the true largest value that fits (bisection of real runs, each from the
 start state) against `--predict -r bs`'s, and whether the predicted value fits when run; what a
 prediction costs against one real run of the cell (medians of 3; the first prediction, whose caches are
-cold, in brackets; with -r: all its fake runs, once); whether the device's
+cold, in brackets; the first real run against the first prediction, each in a new process after the
+set-up only; with -r: all its fake runs, once); whether the device's
 allocated and reserved figures moved during the prediction. The simulated device reserves as torch's
 caching allocator does (its default); `--plain` counts the tensors' bytes instead.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,7 +66,37 @@ def predicted(ip, value: int, flags: str, cell: str):
     return p, seconds, before != after
 
 
+def prepared(ip, key: str) -> str:
+    """The cell's simulated GPU on, its set-up run; returns the cell."""
+    what, setup, cell, cap = CELLS[key]
+    brt.run(ip, "%gpumem --simulate off -q")
+    brt.run(ip, f"%gpumem --simulate {cap} -q")
+    brt.run(ip, setup)
+    ip.user_ns["STEPS"] = STEPS
+    brt.settle(ip)
+    brt.CELL = cell
+    return cell
+
+
+def first_in_a_new_process(key: str, value: int, what: str) -> float:
+    """Seconds of the first real run ('real') or the first prediction ('predict') of the cell in a new
+    process, after its set-up only: what a user's first run of the cell in a new kernel costs."""
+    out = subprocess.run([sys.executable, __file__, "--first", key, str(value), what], capture_output=True,
+                         text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def _first(key: str, value: int, what: str) -> None:
+    ip = brt.shell()
+    cell = prepared(ip, key)
+    seconds = measure(ip, cell, value)[1] if what == "real" else predicted(ip, value, "", cell)[1]
+    print(seconds)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--first"]:                  # first_in_a_new_process's child
+        return _first(argv[1], int(argv[2]), argv[3])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
     parser.add_argument("--plain", action="store_true", help="the simulated device counts the tensors' bytes "
@@ -75,16 +107,11 @@ def main(argv=None) -> None:
 
     SimulatedDevice.default_allocator = "plain" if args.plain else "caching"
     ip = brt.shell()
-    print(f"command: .venv/bin/python bench/bench_predict.py {' '.join(argv or sys.argv[1:])}".rstrip())
+    print(f"command: .venv/bin/python bench/bench_predict.py {' '.join(argv)}".rstrip())
     rows = []
     for key in args.cells:
-        what, setup, cell, cap = CELLS[key]
-        brt.run(ip, "%gpumem --simulate off -q")
-        brt.run(ip, f"%gpumem --simulate {cap} -q")
-        brt.run(ip, setup)
-        ip.user_ns["STEPS"] = STEPS
-        brt.settle(ip)
-        brt.CELL = cell
+        what, _, _, cap = CELLS[key]
+        cell = prepared(ip, key)
         print(f"{key}: finding the largest bs that fits", file=sys.stderr)
         largest = brt.largest_fitting(ip, 4096)
         value = max(1, largest // 2)
@@ -97,10 +124,12 @@ def main(argv=None) -> None:
         pred_r, pred_r_seconds, moved_r = predicted(ip, value, "-r bs", cell)
         found = pred_r.largest
         found_fits = found is not None and measure(ip, cell, found)[0] is not None
+        new_real, new_pred = (first_in_a_new_process(key, value, w) for w in ("real", "predict"))
         rows.append(dict(cell=key, what=what, cap=cap, value=value, real=real_peak, pred=pred.peak,
                          complete=pred.complete, enough=pred.enough, largest=largest, found=found,
                          fits=found_fits, cost=pred_seconds / real_seconds, cost_r=pred_r_seconds / real_seconds,
-                         cost_first=first_seconds / real_seconds,
+                         cost_first=first_seconds / real_seconds, cost_new=new_pred / new_real,
+                         new_real=new_real, new_pred=new_pred,
                          runs=len(pred_r.runs), moved=moved or moved_r, real_seconds=real_seconds))
         brt.run(ip, "%gpumem --simulate off -q")
         for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ("In", "Out", "exit", "quit",
@@ -109,17 +138,19 @@ def main(argv=None) -> None:
     from cuda_magic.units import format_bytes
 
     print("\n| cell | bs | real peak | predicted | error | largest that fits | `-r bs` predicts | of largest | fits when run "
-          "| prediction / one real run (the first) | with -r (fake runs) | device moved |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| prediction / one real run (the first) | first of each in a new process | with -r (fake runs) "
+          "| device moved |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         error = (r["pred"] - r["real"]) / r["real"] * 100 if r["real"] else float("nan")
         share = f"{100 * r['found'] / r['largest']:.1f}%" if r["found"] else "none"
         print(f"| {r['cell']} | {r['value']} | {format_bytes(r['real'])} | {format_bytes(r['pred'])} | {error:+.1f}% | "
               f"{r['largest']} | {r['found']} | {share} | {'yes' if r['fits'] else 'NO'} | {r['cost']:.2f}x ({r['cost_first']:.2f}x) | "
-              f"{r['cost_r']:.2f}x ({r['runs']}) | {'YES' if r['moved'] else 'no'} |")
+              f"{r['cost_new']:.2f}x | {r['cost_r']:.2f}x ({r['runs']}) | {'YES' if r['moved'] else 'no'} |")
     print()
     for r in rows:
-        print(f"- {r['cell']} ({r['cap']}): {r['what']}; one real run {r['real_seconds']:.2f} s"
+        print(f"- {r['cell']} ({r['cap']}): {r['what']}; one real run {r['real_seconds']:.2f} s; in a new "
+              f"process, the first real run {r['new_real']:.2f} s, the first prediction {r['new_pred']:.2f} s"
               + (f"; predicted from its first steps ({r['enough']})" if r["enough"] else ""))
 
 
