@@ -61,13 +61,21 @@ def test_the_cache_changes_no_figure_of_a_prediction(tip, monkeypatch, setup, ce
     assert cached.by_line[columns].equals(plain.by_line[columns])
 
 
-def test_views_are_kept_in_place_ops_random_ops_and_lifts_are_not():
-    import torch
+@pytest.fixture
+def mode_and_cache():
+    """A FakeTensorMode and an OpCache on it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from cuda_magic.fakerun.op_cache import OpCache
 
-    cache = OpCache(FakeTensorMode(allow_non_fake_inputs=True))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, OpCache(mode)
+
+
+def test_views_are_kept_in_place_ops_random_ops_and_lifts_are_not(mode_and_cache):
+    import torch
+
+    _, cache = mode_and_cache
     aten = torch.ops.aten
     assert cache.keeps(aten.mm.default) and cache.keeps(aten._foreach_add.Scalar)
     assert cache.keeps(aten.view.default) and cache.keeps(aten.transpose.int)   # Tensor(a) -> Tensor(a)
@@ -80,16 +88,12 @@ def test_views_are_kept_in_place_ops_random_ops_and_lifts_are_not():
     assert not cache.keeps(aten.lift_fresh.default)     # Tensor(a) -> Tensor(a), but a constant's lift
 
 
-def test_a_view_is_made_again_on_its_inputs_storage_as_fake_tensor_mode_made_it():
+def test_a_view_is_made_again_on_its_inputs_storage_as_fake_tensor_mode_made_it(mode_and_cache):
     # torch/_subclasses/fake_tensor.py (2.3 to 2.13), _get_output_tensor_from_cache_entry: a cached
     # view is remade on the input's storage with the output's sizes, strides and offset (set_).
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cuda_magic.fakerun.op_cache import OpCache
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    cache = OpCache(mode)
+    mode, cache = mode_and_cache
     aten = torch.ops.aten
     with mode:
         x = torch.empty(4, 8)
@@ -119,14 +123,10 @@ def test_a_view_is_made_again_on_its_inputs_storage_as_fake_tensor_mode_made_it(
         assert [p.stride() for p in plains] == [m.stride() for m in mades]
 
 
-def test_a_fresh_output_gets_a_storage_of_its_own():
+def test_a_fresh_output_gets_a_storage_of_its_own(mode_and_cache):
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cuda_magic.fakerun.op_cache import OpCache
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    cache = OpCache(mode)
+    mode, cache = mode_and_cache
     w = torch.ops.aten.mm.default
     with mode:
         x = torch.empty(4, 8)
@@ -140,14 +140,10 @@ def test_a_fresh_output_gets_a_storage_of_its_own():
     assert made.untyped_storage()._cdata != x.untyped_storage()._cdata
 
 
-def test_an_output_that_is_an_input_is_not_kept():
+def test_an_output_that_is_an_input_is_not_kept(mode_and_cache):
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cuda_magic.fakerun.op_cache import OpCache
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    cache = OpCache(mode)
+    mode, cache = mode_and_cache
     func = torch.ops.aten.alias.default
     with mode:
         x = torch.empty(4, 8)

@@ -209,10 +209,10 @@ def _run_mode_class():
             if key is not None:
                 out = cache.outputs(key, args)
                 if out is not None:
-                    fresh = self.fresh.get(func, ())
-                    if fresh == ():             # a view op's returns are not fresh: nothing to count, as in
+                    if func not in self.fresh:  # a view op's returns are not fresh: nothing to count, as in
                         fresh = tuple(r.alias_info is None for r in func._schema.returns)   # its dispatch
-                        self.fresh[func] = fresh = fresh if any(fresh) else None
+                        self.fresh[func] = fresh if any(fresh) else None
+                    fresh = self.fresh[func]
                     if fresh is not None:
                         self.device._track_outputs(out, fresh, False)
                     self.uniform.after(func, args, kwargs, out)

@@ -202,12 +202,11 @@ class OpCache:
             many, outs = type(out), tuple(out)
         if not outs:
             return _NO
-        seen = set()
-        for a in _tensors(args, self.tensor_type) + _tensors(kwargs, self.tensor_type):
-            seen.add(a.untyped_storage()._cdata)
+        arg_tensors = _tensors(args, self.tensor_type)
+        seen = {a.untyped_storage()._cdata for a in arg_tensors + _tensors(kwargs, self.tensor_type)}
+        inputs = {id(a) for a in arg_tensors}
         first = args[0] if args and type(args[0]) is self.fake_type else None
         base = first.untyped_storage()._cdata if first is not None else None
-        inputs = {id(a) for a in _tensors(args, self.tensor_type)}
         metas = []
         for t in outs:
             if (type(t) is not self.fake_type or t.fake_mode is not self.mode or t.constant is not None
