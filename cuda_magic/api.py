@@ -103,7 +103,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
             globals_ = [v for k, v in func.__globals__.items() if not k.startswith("_")]
             # arguments are bound again for every call: the function's own names need no rollback
-            run = self._guarded_run(values=arguments, roots=[*arguments.values(), *globals_])
+            run = self._guarded_run(values=arguments, roots=[*arguments.values(), *globals_], code=func.__code__)
             try:
                 result = run.run(call) if not self._ranked_once() else self._run_ranked(run, call)
             finally:
@@ -138,7 +138,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         result.value = value
         return result
 
-    def _guarded_run(self, **where):
+    def _guarded_run(self, code=None, **where):
         from cuda_magic.ipython import current_shell
         from cuda_magic.recover.guarded import GuardedRun, GuardOptions, RetrySpec
 
@@ -146,7 +146,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search,
                                                           self.exact)
         options = GuardOptions(retry=retry, limit=limit, amp=self.amp, timeline=self.timeline, source="oomguard",
-                               api=True, rank_timeout=self.timeout)
+                               api=True, rank_timeout=self.timeout, code=code)
         return GuardedRun(meter, options, shell=current_shell(), **where)
 
     def _outcome(self, result):
@@ -192,10 +192,10 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
         from cuda_magic.recover.retrying import ranks_in_group
 
-        run, ranked = self._guarded_run(), None
-        if ranks_in_group() > 1:        # in a process group: the ranks end the block together
-            import sys
+        import sys
 
+        run, ranked = self._guarded_run(code=sys._getframe(1).f_code), None
+        if ranks_in_group() > 1:        # in a process group: the ranks end the block together
             from cuda_magic.recover.ranked_block import RankedBlock
 
             caller = sys._getframe(1)

@@ -175,6 +175,7 @@ def _fake_mps(monkeypatch, state):
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: state["recommended"], raising=False)
     monkeypatch.setattr(torch.mps, "set_per_process_memory_fraction", set_fraction)
     monkeypatch.setattr(probe, "_gpu", None)
+    monkeypatch.setattr(probe, "_mps", None)      # asked once per process: the fake answers afresh
 
 
 def _needs_xpu():

@@ -206,6 +206,7 @@ def _fake_started_cuda(monkeypatch, uuids, *, props_have_uuid=True):
     monkeypatch.setattr(cuda, "get_device_properties", props)
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: False, raising=False)
     monkeypatch.setattr(probe, "_gpu", None)
+    monkeypatch.setattr(probe, "_mps", None)      # asked once per process: the fake answers afresh
 
 
 def test_started_cuda_maps_nvml_devices_by_uuid(three, monkeypatch):
@@ -388,11 +389,13 @@ def test_torch_2_4_xpu_without_memory_reserved(monkeypatch, tip, capsys):
     monkeypatch.setattr(xpu, "device_count", lambda: 1)
     monkeypatch.setattr(xpu, "empty_cache", lambda: None)
     monkeypatch.setattr(probe, "_gpu", None)
+    monkeypatch.setattr(probe, "_mps", None)      # asked once per process: the fake answers afresh
     tip.run_cell("scratch_xpu = torch.ones(1024)")
     capsys.readouterr()
     report = tip.run_line_magic("freecuda", "scratch_xpu -q -o")
     assert report is not None and "scratch_xpu" not in tip.user_ns
     monkeypatch.setattr(probe, "_gpu", None)
+    monkeypatch.setattr(probe, "_mps", None)      # asked once per process: the fake answers afresh
 
 
 def _fake_mps(monkeypatch, *, recommended=True):
@@ -414,6 +417,7 @@ def _fake_mps(monkeypatch, *, recommended=True):
     else:
         monkeypatch.delattr(torch.mps, "recommended_max_memory", raising=False)
     monkeypatch.setattr(probe, "_gpu", None)
+    monkeypatch.setattr(probe, "_mps", None)      # asked once per process: the fake answers afresh
     return state
 
 

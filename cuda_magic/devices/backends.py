@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import cuda_device_count, cuda_started, loaded_torch, mps_available
-from cuda_magic.devices.proc import meminfo, process_rss
+from cuda_magic.devices.proc import process_rss, shared_reader
 from cuda_magic.devices.readings import DeviceMemory, ProcessMemory
 from cuda_magic.devices.amdsmi import AmdSmiDevice, get_amdsmi, hip_build
 from cuda_magic.devices.nvml import NvmlDevice, get_nvml, visible_nvml_devices
@@ -223,9 +223,11 @@ def xpu_devices() -> list[DeviceMemory]:
 
 
 def cpu_device(tensor_bytes: int | None) -> DeviceMemory:
-    info = meminfo()
-    total, available = info.get("MemTotal"), info.get("MemAvailable")
-    rss, hwm = process_rss()
+    reader = shared_reader()            # descriptors opened once per process: read per guarded cell
+    total, available = reader.memory()
+    rss, hwm = reader.rss_and_peak()
+    if rss is None and hwm is None:     # no /proc (macOS, Windows)
+        rss, hwm = process_rss()
     dev = DeviceMemory(key="cpu", name="CPU memory", kind="cpu", capacity=total,
                        torch_cached=0, peak=hwm, peak_exact=False,
                        notes=["peak is the operating system's resident peak (approximate)"])

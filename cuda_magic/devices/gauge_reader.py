@@ -30,6 +30,11 @@ APPROXIMATE = ("cpu", "mps")      # peaks from readings (the OS's high-water mar
 _readers: weakref.WeakSet = weakref.WeakSet()     # the GaugeReaders alive, for peak_reset()
 
 
+def gauge_reads(key: str) -> bool:
+    """Whether a gauge reads device `key` now: only then is its peak worth reading before a reset."""
+    return len(_readers) > 0 and any(reader.key == key for reader in list(_readers))
+
+
 def peak_reset(key: str, peak: int | None) -> None:
     """Call before resetting the peak counter of device `key`: the gauges reading it keep `peak` (the
     counter's figure now). Cheap where no gauge is on; never raises."""

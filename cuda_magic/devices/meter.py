@@ -286,14 +286,12 @@ class CpuMeter(Meter):
         self.proc = shared_reader()
 
     def allocated(self) -> int | None:
-        return self.proc.rss_and_peak()[0]
+        return self.proc.rss()          # /proc/self/statm: a tenth of the time of /proc/self/status
 
     reserved = allocated
 
     def capacity(self) -> int | None:
-        from cuda_magic.devices.proc import meminfo
-
-        return meminfo().get("MemTotal")
+        return self.proc.memory()[0]
 
     def reset_peak(self) -> None:
         self.proc.reset_peak()
@@ -307,9 +305,9 @@ class CpuMeter(Meter):
 
 
 def available_memory() -> int | None:
-    from cuda_magic.devices.proc import meminfo
+    from cuda_magic.devices.proc import shared_reader
 
-    return meminfo().get("MemAvailable")
+    return shared_reader().memory()[1]
 
 
 def autocast(amp: str | None, meter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 _gpu: bool | None = None     # the answer, once torch is loaded (devices do not come and go in a process)
+_mps: bool | None = None     # whether torch can use MPS, once torch is loaded (asked after every watched cell)
 
 
 def loaded_torch():
@@ -38,9 +39,15 @@ def cuda_device_count() -> int:
 
 
 def mps_available() -> bool:
-    """Whether torch can use Apple's MPS device."""
-    mps = getattr(getattr(loaded_torch(), "backends", None), "mps", None)
-    return mps is not None and bool(mps.is_available())
+    """Whether torch can use Apple's MPS device (asked once per process, once torch is loaded)."""
+    global _mps
+    if _mps is None:
+        torch = loaded_torch()
+        if torch is None:
+            return False
+        mps = getattr(getattr(torch, "backends", None), "mps", None)
+        _mps = mps is not None and bool(mps.is_available())
+    return _mps
 
 
 def xpu_started() -> bool:

@@ -57,7 +57,7 @@ class GuardAll:
             meter = _recordable_meter()
             if meter is not None:
                 self.run = self._guarded(meter)
-                self.run.record()
+                self.run.record(raw)
         except Exception as exc:  # a hook must never raise: the cell runs unrecorded
             self.run = None
             print(f"cuda_magic: the black box could not start ({type(exc).__name__}: {exc})", file=sys.stderr)

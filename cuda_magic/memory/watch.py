@@ -12,7 +12,7 @@ import sys
 import time
 
 from cuda_magic.devices.errors import oom_error_class
-from cuda_magic.devices.gauge_reader import peak_reset
+from cuda_magic.devices.gauge_reader import gauge_reads, peak_reset
 from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.proc import ProcReader
 from cuda_magic.devices.simulated import active_device
@@ -84,7 +84,8 @@ class CellWatcher:
             else:
                 if self._proc is None:
                     self._proc = ProcReader()
-                peak_reset("cpu", self._proc.rss_and_peak()[1])
+                if gauge_reads("cpu"):     # the peak costs a read of /proc/self/status: only for a gauge
+                    peak_reset("cpu", self._proc.rss_and_peak()[1])
                 before = self._proc.start_cell()
             self._start = (kind, dev, before, time.perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on

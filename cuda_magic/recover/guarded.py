@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from cuda_magic.devices.meter import autocast, capacity_of, metered_devices
+from cuda_magic.recover.containers import container_length, container_lengths, reached_names
 from cuda_magic.recover.failure import (Failure, cell_filename_of, error_text, kind_of, read_counter, read_failure,
                                         release_failure, short_oom_error)
 from cuda_magic.recover.report import Attempt, GuardReport, Outcome
@@ -56,6 +57,9 @@ class GuardOptions:
     shown_by_ipython: bool = False       # `%oomguard on`: IPython shows the error, so its traceback and
                                          # chain are kept (their frames cleared) and IPython's references
                                          # to it (`sys.last_*`, its stored traceback) dropped
+    code: object = None                  # the code object the run runs where there are no `lines` (a
+                                         # decorated function's, a `with` block's frame's): its names say
+                                         # which of the user's containers are watched for growth
 
 
 @dataclass
@@ -204,11 +208,12 @@ class GuardedRun:
         self._block = (start, time.perf_counter(), stack, True)
         return self.report
 
-    def record(self) -> None:
-        """Start the black box of a cell that IPython runs itself (`%oomguard on`); nothing else is
-        touched (the device's own peak counter is the user's). Then `end(exc)`, or `discard()`."""
+    def record(self, source: str = "") -> None:
+        """Start the black box of a cell that IPython runs itself (`%oomguard on`; `source`: the cell);
+        nothing else is touched (the device's own peak counter is the user's). Then `end(exc)`, or
+        `discard()`."""
         self._started = True
-        self._lengths = container_lengths(self.shell)
+        self._lengths = container_lengths(self.shell, self._watched_names(source))
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
         self._block = (read_counter(self.meter.allocated), time.perf_counter(), ExitStack(), False)
@@ -315,7 +320,7 @@ class GuardedRun:
         failure.in_use = frozenset(n for n, v in variables.items() if n in used or id(v) in failure.in_frames)
         failure.ints = tuple((n, v) for n, v in variables.items() if n in used and type(v) is int)
         failure.grown = frozenset(n for n, (ident, length) in self._lengths.items()
-                                  if id(variables.get(n)) == ident and _length(variables[n]) > length)
+                                  if id(variables.get(n)) == ident and container_length(variables[n]) > length)
 
     def _record(self, attempt: Attempt) -> Attempt:
         attempt.reason = self.why
@@ -344,7 +349,7 @@ class GuardedRun:
         if self._started:
             return
         self._started = True
-        self._lengths = container_lengths(self.shell)
+        self._lengths = container_lengths(self.shell, self._watched_names())
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -355,6 +360,17 @@ class GuardedRun:
                       "the capacity is the limit")
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, self.options.filename)
+
+    def _watched_names(self, source: str = ""):
+        """The names whose containers are watched for growth: those the run's code reaches (None where its
+        code is not known: every user name)."""
+        options = self.options
+        if options.lines is not None:
+            source = "\n".join(options.lines)
+        if not source and options.code is None:
+            return None
+        namespace = self.shell.user_ns if self.shell is not None else {}
+        return reached_names(namespace, source, () if options.code is None else (options.code,))
 
     def _finish(self) -> None:
         """The end of the run: the black box's record, the device after, the peak, and after an OOM the
@@ -423,22 +439,6 @@ class GuardedRun:
             held_at_start=start, independent=report.retry is not None and report.retry.independent,
             backward=failed is not None and failed.phase == "backward")
         return diagnose(report.oom, facts)
-
-
-def container_lengths(shell) -> dict[str, tuple[int, int]]:
-    """(id, length) of the lists, dicts, sets and deques among the user's names, where there is a shell:
-    what grows during a run (logged losses, collected outputs) is then known."""
-    if shell is None:
-        return {}
-    from cuda_magic.ipython import user_variables
-
-    return {n: (id(v), _length(v)) for n, v in user_variables(shell).items() if _length(v) is not None}
-
-
-def _length(value) -> int | None:
-    if type(value) in (list, dict, set) or type(value).__name__ == "deque":
-        return len(value)
-    return None
 
 
 def _start_recording(meter, filename: str | None, *, find_cell: bool = False):
