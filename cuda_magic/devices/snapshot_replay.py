@@ -169,6 +169,13 @@ def model_for(rec: Recording, capacity: int | None, conf: str | None) -> Caching
     return model
 
 
+def check_conf(conf: str) -> str:
+    """`conf` if torch's setter would take it (ValueError saying why not)."""
+    CachingAllocatorModel(NO_LIMIT).configure(conf)
+    _gc_threshold(conf)
+    return conf
+
+
 def _gc_threshold(conf: str) -> float:
     value = 0.0
     for key, text in parse_conf(conf or ""):

@@ -16,7 +16,7 @@ from cuda_magic.devices.recorder import BACKWARD_THREAD, BEFORE, NO_FRAMES, pyth
 from cuda_magic.devices.snapshot_load import (
     Recording, SnapshotError, UnsafePickle, read_snapshot_data, recording_of, settings_conf)
 from cuda_magic.devices import snapshot_replay as R
-from cuda_magic.memory.blackbox import LineUse, blackbox_from, lines_of
+from cuda_magic.memory.blackbox import LineUse, lines_of
 from cuda_magic.reprs import Rendered
 
 __all__ = ["SnapshotError", "UnsafePickle", "SnapshotReading", "WhatIf", "read_snapshot"]
@@ -134,6 +134,8 @@ class SnapshotReading(Rendered):
     _start: list | None = None
     _smallests: dict = field(default_factory=dict)
     _sites: dict = field(default_factory=dict)     # entry index -> LineUse of the alloc/oom there
+    what_ifs: list = field(default_factory=list)   # replays to show with the reading (--capacity, --conf)
+    rows: int = 8                                  # rows of the by-line tables shown
 
     @property
     def smallest_capacity(self) -> int | None:
@@ -241,10 +243,7 @@ def _state_only(reading: SnapshotReading, rec: Recording) -> None:
                 agg[1] += 1
                 kind = kind_of(b["frames"]) if b["frames"] else BEFORE_RECORDING
                 kinds[kind] = kinds.get(kind, 0) + b["size"]
-    recorder.by_site = by_site
-    recorder.peak_by_site = {s: tuple(v) for s, v in by_site.items()}
-    box = blackbox_from(recorder, failed=False)
-    reading.by_line = reading.by_line_end = _named(box.by_line)
+    reading.by_line = reading.by_line_end = _box_of(recorder, {s: tuple(v) for s, v in by_site.items()})
     reading.by_kind = reading.by_kind_end = _ordered(kinds)
     reading.peak_allocated = reading.end_allocated
     reading.peak_reserved = reading.end_reserved
