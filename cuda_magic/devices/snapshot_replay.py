@@ -272,9 +272,10 @@ def replay(rec: Recording, capacity: int | None = None, conf: str | None = None,
                 break
             model.free(block)
         reserved = model.reserved
-        if level > peak_a:
+        # a peak the recording reaches again counts as its own (not the state from before it)
+        if level > peak_a or (level == peak_a and result.peak_allocated_at < 0):
             peak_a, result.peak_allocated_at = level, i
-        if reserved > peak_r:
+        if reserved > peak_r or (reserved == peak_r and result.peak_reserved_at < 0):
             peak_r, result.peak_reserved_at = reserved, i
         if series:
             alloc_series.append(level)

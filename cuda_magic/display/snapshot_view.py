@@ -46,8 +46,12 @@ def headline(reading) -> list[str]:
     if reading.has_trace:
         out.append(f"Peak allocated {format_bytes(reading.peak_allocated)} {_when(reading, reading.peak_allocated_seconds)}"
                    f", asked for by {where(reading.peak_allocated_line)}")
-        out.append(f"Peak reserved {format_bytes(reading.peak_reserved)} {_when(reading, reading.peak_reserved_seconds)}"
-                   f", asked for by {where(reading.peak_reserved_line)}")
+        if reading.peak_reserved_line is None:
+            out.append(f"Peak reserved {format_bytes(reading.peak_reserved)} when the recording began (the cache "
+                       "of what ran before it)")
+        else:
+            out.append(f"Peak reserved {format_bytes(reading.peak_reserved)} "
+                       f"{_when(reading, reading.peak_reserved_seconds)}, asked for by {where(reading.peak_reserved_line)}")
     else:
         out.append(f"{format_bytes(reading.end_allocated)} allocated and {format_bytes(reading.end_reserved)} reserved "
                    "when the snapshot was taken")
@@ -105,7 +109,8 @@ def what_if_lines(reading) -> list[str]:
 
 def _rows(uses, rows: int = ROWS):
     shown, rest = uses[:rows], uses[rows:]
-    body = [[format_bytes(u.bytes), str(u.tensors), where(u)] for u in shown]
+    body = [[format_bytes(u.bytes), "" if u.filename is None and u.cell_line is None else str(u.tensors), where(u)]
+            for u in shown]          # memory from before the recording is one row, its blocks not counted
     if rest:
         body.append([format_bytes(sum(u.bytes for u in rest)), str(sum(u.tensors for u in rest)),
                      f"{len(rest)} more lines"])

@@ -18,6 +18,7 @@ from cuda_magic.devices.snapshot_load import (
 from cuda_magic.devices import snapshot_replay as R
 from cuda_magic.memory.blackbox import LineUse, lines_of
 from cuda_magic.reprs import Rendered
+from cuda_magic.units import format_bytes
 
 __all__ = ["SnapshotError", "UnsafePickle", "SnapshotReading", "WhatIf", "read_snapshot"]
 
@@ -299,8 +300,15 @@ def _read_history(reading: SnapshotReading, rec: Recording, result) -> None:
     pa, pr = result.peak_allocated_at, result.peak_reserved_at
     reading.peak_allocated_seconds = times[pa] if pa >= 0 else 0.0
     reading.peak_reserved_seconds = times[pr] if pr >= 0 else 0.0
-    reading.peak_allocated_line = reading._sites.get(_alloc_at_or_after(trace, pa))
-    reading.peak_reserved_line = reading._sites.get(_alloc_at_or_after(trace, pr))
+    reading.peak_allocated_line = reading._sites.get(_alloc_at_or_after(trace, pa)) if pa >= 0 else None
+    reading.peak_reserved_line = reading._sites.get(_alloc_at_or_after(trace, pr)) if pr >= 0 else None
+    if pr < 0 and result.reserved:           # the cache of earlier work was the most reserved
+        own = max(range(len(result.reserved)), key=result.reserved.__getitem__)
+        line = reading._sites.get(_alloc_at_or_after(trace, own))
+        reading.notes.append(
+            f"reserved was highest when the recording began ({format_bytes(result.start_reserved)}, the cache of "
+            f"earlier work); during the recording the highest was {format_bytes(result.reserved[own])}"
+            + (f", asked for by {line.where}" if line is not None else ""))
     reading.fragmentation = result.reserved[pr] - result.allocated[pr] if pr >= 0 else (
         result.start_reserved - result.start_allocated)
     peak_sites = recorder.at_peak()
