@@ -430,3 +430,20 @@ def test_real_state_only_file():
     reading = read_snapshot(str(_real("oom_yiyi.pickle.gz")))
     assert not reading.has_trace and reading.era == "torch 2.0"
     assert reading.by_line[0].where == "pytorch_backend.py:190"
+
+
+def test_rows_quiet_and_the_widget_form(ip, tmp_path, capsys):
+    from cuda_magic.display.snapshot_view import forms
+
+    good = tmp_path / "streams.pickle"
+    good.write_bytes(pickle.dumps(streams_recording()))
+    capsys.readouterr()
+    reading = ip.run_line_magic("gpumem", f"--snapshot {good} -n 1 -q -o")
+    assert capsys.readouterr().out == ""
+    assert reading.rows == 1
+    text = repr(reading)
+    assert "1 more lines" in text                 # the end's two rows shown as one and the rest summed
+    _, html, widget = forms(reading)
+    bundle = widget().bundle()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"] == text and "<svg" in bundle["text/html"] and "<svg" in html()
