@@ -402,6 +402,19 @@ def test_magic_on_a_cs336_forward_file_names_a_transformer_line_as_the_peaks(ip,
     ip.run_line_magic("gpumem", f"--snapshot {_real('cs336_ctx512_fwd.pickle.gz')}")
     out = capsys.readouterr().out
     assert "asked for by transformer.py:22 (forward)" in out.splitlines()[1]
+    assert "Smallest capacity that fits: " in out and "with expandable_segments:True" in out
+
+
+def test_smallest_capacity_of_a_real_recording_fits_and_2_mib_less_does_not():
+    from cuda_magic import read_snapshot
+
+    reading = read_snapshot(str(_real("ftcourse.pickle.gz")))
+    for conf in ("", "expandable_segments:True"):
+        smallest = reading.replay(None, conf).smallest_capacity
+        assert smallest % (2 * MiB) == 0
+        assert reading.replay(smallest, conf).fits
+        below = reading.replay(smallest - 2 * MiB, conf)
+        assert not below.fits and below.failure.line is not None
 
 
 def test_a_peak_reserved_from_before_the_recording_is_not_given_a_line():

@@ -70,6 +70,7 @@ class Recording:
     settings: dict = field(default_factory=dict)
     has_trace: bool = False
     source: str = ""
+    completes: bool = True                # the trace has free_completed entries
 
 
 def read_snapshot_data(path_or_dict) -> dict:
@@ -115,8 +116,9 @@ def recording_of(data: dict, device: int | None = None, source: str = "") -> Rec
     trace = list(traces[device]) if device < len(traces) and traces[device] else []
     has_trace = any(e.get("action") in ("alloc", "free_requested", "free_completed", "segment_alloc")
                     for e in trace)
+    completes = any(e.get("action") == "free_completed" for e in trace)
     return Recording(device, devices, segments, trace, dict(data.get("allocator_settings") or {}), has_trace,
-                     source)
+                     source, completes)
 
 
 def _segment(seg: dict) -> dict:

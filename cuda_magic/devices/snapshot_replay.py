@@ -24,6 +24,7 @@ a capacity that fits with the one 2 MiB below it failing). Pure Python, no torch
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from cuda_magic.devices.allocator_conf import parse_conf
@@ -122,7 +123,6 @@ def start_state(rec: Recording) -> list[dict]:
             segs[addr] = (size, "small" if size == kSmallBuffer else "large")
     out = []
     starts = sorted(alive)
-    import bisect
     for base in sorted(segs):
         total, kind = segs[base]
         end = base + total
@@ -146,11 +146,8 @@ def start_state(rec: Recording) -> list[dict]:
 
 
 def _completes(rec: Recording) -> bool:
-    flag = getattr(rec, "_completes", None)
-    if flag is None:
-        flag = any(e.get("action") == "free_completed" for e in rec.trace)
-        rec._completes = flag
-    return flag
+    """Whether the recording has `free_completed` entries (else a `free_requested` frees at once)."""
+    return rec.completes
 
 
 def model_for(rec: Recording, capacity: int | None, conf: str | None) -> CachingAllocatorModel:

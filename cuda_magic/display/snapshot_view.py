@@ -9,7 +9,7 @@ from html import escape
 
 from cuda_magic.display.blackbox_view import line_label
 from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
-from cuda_magic.display.elements import CODE, FAIL_COLOR, MUTED, PEAK_COLOR, box, html_table, shorten, table
+from cuda_magic.display.elements import CODE, FAIL_COLOR, MUTED, PEAK_COLOR, box, html_table, table
 from cuda_magic.display.html import KIND_COLORS, legend_items_html
 from cuda_magic.memory.kinds import KIND_LABELS
 from cuda_magic.units import format_bytes
