@@ -386,10 +386,10 @@ def _read_oom(reading: SnapshotReading, rec: Recording, recorder, result, index:
     top = next((u for u in reading.oom_by_line if u.filename not in (None, NO_FRAMES, BACKWARD_THREAD)), None)
     fields = OomFields(requested=requested, free=int(free) if isinstance(free, int) else None,
                        allocated_by_torch=allocated, reserved_unallocated=max(0, reserved - allocated),
-                       capacity=(reserved + int(free)) if isinstance(free, int) else None,
                        message="out of memory in the recording")
     facts = CellFacts(api=True, peak=reading.peak_allocated, alloc_conf=reading.settings,
-                      top_line=(top.bytes, top.code, top.where) if top is not None else None,
+                      top_line=(top.bytes, top.code or f"{top.function}()", top.where)
+                      if top is not None and (top.code or top.function) else None,
                       by_kind={k: v for k, v in by_kind.items() if k != BEFORE_RECORDING},
                       backward=failure is not None and failure.phase == "backward")
     reading.diagnosis = diagnose(fields, facts)
