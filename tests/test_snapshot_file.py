@@ -460,3 +460,11 @@ def test_rows_quiet_and_the_widget_form(ip, tmp_path, capsys):
     bundle = widget().bundle()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == text and "<svg" in bundle["text/html"] and "<svg" in html()
+
+
+def test_torch_era_from_the_frames():
+    """module.py's `_call_impl` line: 1520 in torch 2.2 (the floor's own source), 1527 in 2.1."""
+    from cuda_magic import read_snapshot
+
+    assert read_snapshot(str(_real("eor.pickle.gz"))).era == "torch 2.2 (going by its frames)"
+    assert read_snapshot(str(_real("ftcourse.pickle.gz"))).era == "torch 2.1 (going by its frames)"

@@ -216,7 +216,26 @@ def read_snapshot(path_or_dict, device: int | None = None) -> SnapshotReading:
     return reading
 
 
+#: The line of `return forward_call(*args, **kwargs)` in torch/nn/modules/module.py's `Module._call_impl`,
+#: a frame nearly every recording of a model has: read in the installed torch 2.2.2 and 2.13.0, and (2.1,
+#: 2.6) in the real recordings whose torch is known (../shared/gpu_traces/SOURCES.md).
+CALL_IMPL_LINES = {1527: "2.1", 1520: "2.2", 1750: "2.6", 1789: "2.13"}
+
+
+def _era_from_frames(rec: Recording) -> str | None:
+    for e in rec.trace[:2000]:
+        for f in e.get("frames") or ():
+            if f.get("name") == "_call_impl" and (f.get("filename") or "").endswith("nn/modules/module.py"):
+                version = CALL_IMPL_LINES.get(int(f.get("line") or 0))
+                if version is not None:
+                    return f"torch {version} (going by its frames)"
+    return None
+
+
 def _era(data: dict, rec: Recording) -> str:
+    from_frames = _era_from_frames(rec)
+    if from_frames is not None:
+        return from_frames
     if "external_annotations" in data:
         return "torch 2.6 or later"
     if "allocator_settings" in data:
