@@ -468,3 +468,13 @@ def test_torch_era_from_the_frames():
 
     assert read_snapshot(str(_real("eor.pickle.gz"))).era == "torch 2.2 (going by its frames)"
     assert read_snapshot(str(_real("ftcourse.pickle.gz"))).era == "torch 2.1 (going by its frames)"
+
+
+def test_an_expandable_segments_recording_says_what_is_not_compared():
+    from cuda_magic import read_snapshot
+
+    data = streams_recording()
+    data["device_traces"][0].insert(1, entry("segment_map", A, 20 * MiB, 1))
+    reading = read_snapshot(data)
+    assert reading.segments_match is None and any("expandable" in n for n in reading.notes)
+    assert read_snapshot(streams_recording()).segments_match is True

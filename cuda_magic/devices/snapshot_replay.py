@@ -68,6 +68,7 @@ class ReplayResult:
     recorded_segment_events: list[tuple] = field(default_factory=list)
     address_mismatches: int = 0          # blocks handed out at another address than recorded (follow)
     needed: int = 0                      # a failure: what it needed reserved (reserved + the segment asked)
+    mapped: int = 0                      # segment_map / segment_unmap entries (expandable segments): not compared
 
     @property
     def segments_match(self) -> bool:
@@ -259,6 +260,8 @@ def replay(rec: Recording, capacity: int | None = None, conf: str | None = None,
                     model.empty_cache()
             elif follow:
                 model.release_segment(addr)
+        elif action in ("segment_map", "segment_unmap"):
+            result.mapped += 1
         elif action == "oom" and not follow:
             try:
                 block = model.malloc(int(e.get("size") or 0))

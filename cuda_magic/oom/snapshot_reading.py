@@ -208,8 +208,12 @@ def read_snapshot(path_or_dict, device: int | None = None) -> SnapshotReading:
     start = R.start_state(rec)
     reading._start = start
     result = R.replay(rec, start=start)
-    reading.segments_match = result.segments_match
-    if not result.segments_match:
+    reading.segments_match = result.segments_match if not result.mapped else None
+    if result.mapped:
+        reading.notes.append("recorded with expandable segments: their pages mapped and unmapped are not compared "
+                             "with the model's, and the segments from before the recording are replayed as "
+                             "ordinary ones")
+    elif not result.segments_match:
         reading.notes.append("the allocator's model did not reproduce every segment of the recording: the "
                              "what-ifs are estimates")
     _read_history(reading, rec, result)
