@@ -3,7 +3,8 @@
 While a guarded run executes, `torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
 stacks="python", max_entries=...)` makes the caching allocator keep a ring of trace entries with the
 Python frames gathered in the allocating thread, and each live block with the frames that made it
-(never `stacks="all"`: C++ frames make a snapshot take minutes). What torch does, as its sources say
+(never `stacks="all"`: C++ frames make a snapshot take minutes; a user's own recording, kept on, may
+be `stacks="all"`, torch's default, whose C++ frames `Recorder.site_of_frames` skips). What torch does, as its sources say
 (c10/cuda/CUDACachingAllocator.cpp and torch/cuda/memory.py, torch 2.2 to 2.13), and what follows here:
 
 - an `alloc` entry carries the size asked for; `memory_allocated` counts the block's size: at least
