@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
-for bench in bench_census bench_watch bench_guard bench_restart bench_retry bench_retry_training bench_live bench_blackbox bench_distributed; do
+for bench in bench_census bench_watch bench_guard bench_restart bench_retry bench_retry_training bench_live bench_blackbox bench_distributed bench_snapshot; do
     if [ -f "bench/$bench.py" ]; then
         echo "## $bench"
         echo

@@ -19,6 +19,8 @@ _API = {
     "SimulatedDevice": ("cuda_magic.devices.simulated", "SimulatedDevice"),
     "simulated_device": ("cuda_magic.devices.simulated", "simulated_device"),
     "parse_size": ("cuda_magic.units", "parse_size"),
+    "read_snapshot": ("cuda_magic.api", "read_snapshot"),
+    "SnapshotError": ("cuda_magic.oom.snapshot_reading", "SnapshotError"),
 }
 
 __all__ = sorted([*_API, "load_ipython_extension", "unload_ipython_extension"])

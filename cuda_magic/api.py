@@ -272,3 +272,15 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
     if note:
         prediction.notes.insert(0, note)
     return prediction
+
+
+def read_snapshot(path_or_dict, device: int | None = None):
+    """A memory snapshot read and explained: a path to what `torch.cuda.memory._dump_snapshot()` wrote
+    (gzip'd or not) or the dict `torch.cuda.memory._snapshot()` returns. The reading has `.peak_allocated`,
+    `.peak_reserved`, `.by_line`, `.by_kind`, `.timeline`, `.oom`, `.smallest_capacity` and
+    `.replay(capacity=None, conf=None)`. A file that is not a snapshot, or that asks to run anything while
+    it loads (it is read as plain data only, and nothing in it runs), raises `cuda_magic.SnapshotError`.
+    `device`: of a recording of several devices (default: the one that held the most)."""
+    from cuda_magic.oom.snapshot_reading import read_snapshot as read
+
+    return read(path_or_dict, device)

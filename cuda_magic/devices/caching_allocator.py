@@ -80,8 +80,11 @@ comes from (the names are the same in all three unless said):
   `inactive_split_bytes` stat, which leaves expandable segments out): memory that only freeing the rest of
   the segment can give back, i.e. fragmentation.
 
+- `garbage_collection_threshold` (`garbage_collect_cached_blocks`, acting only with a memory fraction set:
+  here `gc_allowed_maximum`): see `_garbage_collect`.
+
 Not modelled: streams and events (one stream: a freed block is free at once), CUDA graphs' private pools,
-`garbage_collection_threshold` (it acts only with a memory fraction set), the free-memory callbacks, the
+the free-memory callbacks, the
 `cudaMallocAsync` backend, and memory outside the allocator (the CUDA context): the capacity is what the
 allocator may reserve.
 """
@@ -314,6 +317,7 @@ class CachingAllocatorModel:
         self._segments = 0          # cudaMalloc'd segments and expandable segments alive
         self._active: set[Block] = set()     # the blocks handed out
         self._next_address = 1 << 40
+        self._init_recorded_state()
 
     # -- settings ----------------------------------------------------------------------------------------
     @property
@@ -432,8 +436,10 @@ class CachingAllocatorModel:
             return None
         size = self.round_size(nbytes)
         pool = self.small if size <= kSmallSize else self.large
+        self._gc_tick(pool)
         block = self._get_free_block(pool, size)
         if block is None:
+            self._garbage_collect()
             alloc_size = self.allocation_size(size)
             block = self._alloc_block(pool, size, alloc_size, force)
             if block is None and self._release_available_cached_blocks(pool, size):
@@ -524,6 +530,10 @@ class CachingAllocatorModel:
 
     # -- internals, after DeviceCachingAllocator's private methods ---------------------------------------
     def _new_address(self, size: int) -> int:
+        if self.address_source is not None:
+            taken = self.address_source(size)
+            if taken is not None:
+                return taken
         address = self._next_address
         self._next_address += -(-size // kRoundLarge) * kRoundLarge + kRoundLarge
         return address
@@ -600,6 +610,7 @@ class CachingAllocatorModel:
         block = Block(alloc_size, self._new_address(alloc_size), pool)
         self._reserve(alloc_size)
         self._segments += 1
+        self._report_segment("segment_alloc", block)
         return block
 
     def _reserve(self, nbytes: int) -> None:
@@ -628,6 +639,7 @@ class CachingAllocatorModel:
         block.pool.remove(block)
         self.reserved -= block.size
         self._segments -= 1
+        self._report_segment("segment_free", block)
 
     def _release_available_cached_blocks(self, pool: Pool, size: int) -> bool:
         limit = self._max_split
@@ -748,6 +760,124 @@ class CachingAllocatorModel:
         self._try_merge(block, block.next)
         pool.add(block)
         self.reserved -= length
+
+    # -- a recorded state, and what a replay of a recording needs (devices/snapshot_replay.py) ----------
+    def _init_recorded_state(self) -> None:
+        self.address_source = None          # size -> the address a new segment takes (None: a fresh one)
+        self.segment_listener = None        # (action, address, size) when a segment is reserved or released
+        self.garbage_collection_threshold = 0.0
+        self.gc_allowed_maximum: int | None = None   # the memory fraction's bytes, where one is set
+        self._gc_calls = {True: 0, False: 0}         # get_free_block calls per pool (small?) while GC acts
+        self._gc_base: dict = {}                     # block -> _gc_calls when it was last handed out
+
+    def load_segments(self, segments) -> dict[int, Block]:
+        """Take the segments of a memory snapshot as reserved (past the capacity if need be: they exist):
+        dicts with "address", "total_size", "segment_type" ('small' or 'large') and "blocks", each with
+        "address", "size" and "state" ('active_allocated' and 'active_pending_free' are handed out, the
+        rest free and cached; free neighbours merge as torch keeps them). Expandable segments are taken as
+        ordinary ones. Returns {address: block} of the blocks handed out. New segments get addresses
+        above every loaded one."""
+        handed = {}
+        for seg in sorted(segments, key=lambda s: s["address"]):
+            pool = self.small if seg.get("segment_type") == "small" else self.large
+            base, total = int(seg["address"]), int(seg["total_size"])
+            pieces, at = [], base
+            for b in seg.get("blocks") or ():
+                taken = b.get("state") in ("active_allocated", "active_pending_free")
+                size = int(b["size"])
+                if pieces and not taken and not pieces[-1][2]:
+                    pieces[-1][1] += size                       # free next to free: one cached block
+                else:
+                    pieces.append([int(b.get("address", at)), size, taken, int(b.get("requested_size") or size)])
+                at += size
+            if not pieces:
+                pieces = [[base, total, False, 0]]
+            prev = None
+            for ptr, size, taken, requested in pieces:
+                block = Block(size, ptr, pool)
+                block.splice(prev, None)
+                if taken:
+                    block.allocated, block.requested = True, requested
+                    self._active.add(block)
+                    self.allocated += size
+                    handed[ptr] = block
+                else:
+                    pool.add(block)
+                prev = block
+            self._reserve(total)
+            self._segments += 1
+            self._next_address = max(self._next_address, base + total + kRoundLarge)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return handed
+
+    def addresses_from(self, address: int) -> None:
+        """New segments that take no recorded address get addresses from `address` up."""
+        self._next_address = max(self._next_address, int(address))
+
+    def block_at(self, address: int) -> Block | None:
+        """The block handed out at `address` (a scan: a replay keeps its own map of what it holds)."""
+        return next((b for b in self._active if b.ptr == address), None)
+
+    def release_segment(self, address: int) -> bool:
+        """Release the cached segment at `address` if it is one free block (as the out-of-memory path
+        does); False where no such free segment is there."""
+        for pool in (self.large, self.small):
+            block = pool.free.get(address)
+            if block is not None and block.segment is None and not block.is_split():
+                self._release_block(block)
+                return True
+        return False
+
+    def _report_segment(self, action: str, block: Block) -> None:
+        if self.segment_listener is not None:
+            self.segment_listener(action, block.ptr, block.size)
+
+    def _gc_on(self) -> bool:
+        return self.garbage_collection_threshold > 0 and self.gc_allowed_maximum is not None
+
+    def _gc_tick(self, pool: Pool) -> None:
+        """get_free_block counts its calls per pool while garbage collection acts: a cached block's age is
+        the calls since it was last handed out (`gc_count`)."""
+        if self._gc_on():
+            self._gc_calls[pool.small] += 1
+
+    def note_handed_out(self, block: Block | None) -> None:
+        """A block was just handed out: its age for garbage collection starts at 0."""
+        if block is not None and self._gc_on():
+            self._gc_base[block] = self._gc_calls[block.pool.small]
+
+    def _garbage_collect(self) -> None:
+        """`garbage_collect_cached_blocks`: with a memory fraction set and garbage_collection_threshold > 0,
+        when no cached block serves a request and more than threshold x the allowed maximum is reserved,
+        release whole cached segments of the large pool whose age is at least the average age, until
+        what is reserved above the threshold is released or no block is old enough."""
+        if not self._gc_on():
+            return
+        threshold = int(self.garbage_collection_threshold * self.gc_allowed_maximum)
+        if self.reserved <= threshold:
+            return
+        target, reclaimed = self.reserved - threshold, 0
+        calls = self._gc_calls[False]
+
+        def age(b: Block) -> int:
+            return calls - self._gc_base.get(b, calls)
+
+        freeable = [self.large.free[ptr] for _, ptr in self.large.keys]
+        freeable = [b for b in freeable if not b.is_split() and b.segment is None]
+        total_age = sum(age(b) for b in freeable)
+        freed = True
+        while reclaimed < target and freed and freeable:
+            threshold_age = total_age / len(freeable)
+            freed, kept = False, []
+            for b in freeable:
+                if age(b) >= threshold_age:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= age(b)
+                    self._release_block(b)
+                else:
+                    kept.append(b)
+            freeable = kept
 
     def __repr__(self) -> str:
         return (f"<CachingAllocatorModel {self.allocated} allocated, {self.reserved} reserved of "

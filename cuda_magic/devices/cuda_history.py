@@ -3,7 +3,8 @@
 While a guarded run executes, `torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
 stacks="python", max_entries=...)` makes the caching allocator keep a ring of trace entries with the
 Python frames gathered in the allocating thread, and each live block with the frames that made it
-(never `stacks="all"`: C++ frames make a snapshot take minutes). What torch does, as its sources say
+(never `stacks="all"`: C++ frames make a snapshot take minutes; a user's own recording, kept on, may
+be `stacks="all"`, torch's default, whose C++ frames `Recorder.site_of_frames` skips). What torch does, as its sources say
 (c10/cuda/CUDACachingAllocator.cpp and torch/cuda/memory.py, torch 2.2 to 2.13), and what follows here:
 
 - an `alloc` entry carries the size asked for; `memory_allocated` counts the block's size: at least
@@ -298,7 +299,8 @@ def live_blocks(snapshot: dict, index: int) -> dict[int, tuple[int, list]]:
 
 def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_filename: str | None = None,
            start_allocated: int = 0, start_us: float | None = None, attempt_starts=(), pauses=(), seen=(),
-           max_entries: int | None = MAX_ENTRIES, find_cell: bool = False) -> Recorder:
+           max_entries: int | None = MAX_ENTRIES, find_cell: bool = False,
+           block_sizes: dict[int, int] | None = None, sites: dict[int, int] | None = None) -> Recorder:
     """A Recorder from the history read at the end (`final`) and when the last failure reached the guard
     (`failure`): the run's entries (those at or after `start_us`) with the allocated level anchored at
     each reading, the last `oom` entry before `failure` as the failure with what was alive then from the
@@ -306,7 +308,13 @@ def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_f
     Entries after a pause and before the next attempt (a release's frees) change the level, not the
     timeline. `max_entries`: the ring's size, where this run set it (None: the user's recording, whose
     size is not known). `start_allocated` is what torch counted when the run began (the level replayed
-    back to the run's first entry is checked against it)."""
+    back to the run's first entry is checked against it). `block_sizes`: {entry index: block size} of the
+    `alloc` entries where the allocator's replay knows them (a snapshot read from a file,
+    devices/snapshot_replay.py), else estimated from the requests. `sites`: a dict filled with {entry
+    index: site} of the `alloc` and `oom` entries.
+
+    The one reader of recordings: the live black box on CUDA calls it with what it read from the
+    allocator, `read_snapshot` (oom/snapshot_reading.py) with a file's or a `_snapshot()` dict."""
     traces = final.snapshot.get("device_traces") or []
     everything = traces[index] if index < len(traces) else []
     timed = bool(everything) and all("time_us" in e for e in everything)
@@ -317,7 +325,7 @@ def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_f
         recorder.notes.append("this torch's history has no times: events are spaced evenly")
     end_blocks = live_blocks(final.snapshot, index)
     frees = {"free_requested"} if any(e.get("action") == "free_requested" for e in entries) else {"free_completed"}
-    sizes, deltas = _deltas(entries, end_blocks, frees)
+    sizes, deltas = _deltas(entries, end_blocks, frees, block_sizes)
     # the level after each entry, anchored at the readings (memory_allocated then, exact)
     levels = _levels(entries, deltas, final, failure)
     start_level = levels[0] - deltas[0] if entries else final.allocated
@@ -343,7 +351,10 @@ def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_f
         action, level = entry.get("action"), levels[n]
         key = ("block", entry.get("addr"))
         if action == "alloc":
-            recorder.alloc(key, sizes[n], level, site=recorder.site_of_frames(entry.get("frames")), seconds=seconds)
+            site = recorder.site_of_frames(entry.get("frames"))
+            if sites is not None:
+                sites[n] = site
+            recorder.alloc(key, sizes[n], level, site=site, seconds=seconds)
         elif action in frees:
             if key in recorder.alive:
                 recorder.free(key, level, seconds=seconds)
@@ -355,7 +366,10 @@ def replay(final: Reading, index: int, *, failure: Reading | None = None, cell_f
             by_site = None
             if n == last_oom:
                 by_site = _alive_at(n, entries, failure or final, index, recorder, lost, sizes)
-            recorder.oom(int(entry.get("size") or 0), level, site=recorder.site_of_frames(frames),
+            site = recorder.site_of_frames(frames)
+            if sites is not None:
+                sites[n] = site
+            recorder.oom(int(entry.get("size") or 0), level, site=site,
                          seconds=seconds, grad_enabled=look.grad_enabled if look is not None else None,
                          by_site=by_site, phase="backward" if look is not None and look.thread == "backward" else None)
             if n == last_oom and recorder.failures and recorder.failures[-1].by_site is by_site:
@@ -383,7 +397,7 @@ def _lost_entries(everything, entries, timed, start_us, max_entries) -> bool:
     return timed and start_us is not None and len(entries) == len(everything)
 
 
-def _deltas(entries, end_blocks, frees) -> tuple[list[int], list[int]]:
+def _deltas(entries, end_blocks, frees, block_sizes=None) -> tuple[list[int], list[int]]:
     """Each entry's block size (exact for a block alive at the end, else its request rounded) and what it
     changes memory_allocated by."""
     last_alloc = {}
@@ -395,7 +409,9 @@ def _deltas(entries, end_blocks, frees) -> tuple[list[int], list[int]]:
         action, addr = e.get("action"), e.get("addr")
         size = block_size(e.get("size") or 0)
         if action == "alloc":
-            if last_alloc.get(addr) == n and addr in end_blocks:
+            if block_sizes is not None and n in block_sizes:
+                size = block_sizes[n]
+            elif last_alloc.get(addr) == n and addr in end_blocks:
                 size = end_blocks[addr][0]
             held[addr] = size
             delta = size

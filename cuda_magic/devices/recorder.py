@@ -13,6 +13,7 @@ The simulated device calls `alloc` / `free` / `oom` inside its own accounting; t
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -24,7 +25,49 @@ BEFORE = 0                        # the site of storages that existed before the
 #: The file of the site of an allocation torch recorded with no Python frame: it came from a thread that
 #: runs no Python code, on CUDA autograd's device thread running the backward pass.
 NO_FRAMES = "<no Python frames>"
+#: The file of the site of an allocation made on autograd's device thread (its C++ frames say so): the
+#: backward pass, which runs no Python code.
+BACKWARD_THREAD = "<backward pass>"
 ALLOC, FREE, OOM, RESIZE = "alloc", "free", "oom", "resize"
+_CPP = (".cpp", ".cc", ".cu", ".h", ".hpp", ".cuh", ".c")
+
+
+def is_python_file(filename: str) -> bool:
+    """A file of Python code among the frames torch recorded (not C++: '??', '', 'memory_snapshot.cpp')."""
+    if not filename or filename.startswith("??") or filename.endswith(_CPP):
+        return False
+    return filename.endswith((".py", ".pyw")) or filename.startswith("<") or is_cell_file(filename)
+
+
+_PYTHON_FILES: dict[str, bool] = {}
+
+
+def is_python_frame(frame: dict) -> bool:
+    filename = frame.get("filename") or ""
+    known = _PYTHON_FILES.get(filename)
+    if known is None:
+        known = _PYTHON_FILES[filename] = is_python_file(filename)
+    return known
+
+
+def python_frames(frames) -> list[dict]:
+    """The Python frames among those torch recorded, innermost first."""
+    files = _PYTHON_FILES
+    out = []
+    for fr in frames or ():
+        filename = fr.get("filename") or ""
+        known = files.get(filename)
+        if known is None:
+            known = files[filename] = is_python_file(filename)
+        if known:
+            out.append(fr)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def library_file(filename: str) -> bool:
+    """`paths.is_library_file`, remembered per file name (a recording names the same files many times)."""
+    return is_library_file(filename)
 
 
 _BACKWARD = {"backward", "_engine_run_backward", "run_backward", "grad"}
@@ -150,17 +193,25 @@ class Recorder:
 
     def site_of_frames(self, frames) -> int:
         """The site of an allocation from the frames torch recorded (dicts of filename, line, name;
-        innermost first). None or no frame at all: torch ran it on a thread with no Python code (NO_FRAMES);
-        frames that are all library code: BEFORE's row, unless the cell's line is among them."""
-        if not frames:
+        innermost first). Only Python frames can be the user's: a recording made with `stacks="all"`
+        (torch's default for `_record_memory_history`) starts each stack with C++ frames
+        (memory_snapshot.cpp, CUDACachingAllocator.cpp, '??'), which are skipped. No Python frame at all:
+        torch ran it on a thread with no Python code: autograd's device thread where the C++ frames say so
+        (BACKWARD_THREAD), else NO_FRAMES. Python frames that are all library code: BEFORE's row, unless
+        the cell's line is among them or no cell is known (a recording read from a file): then the
+        innermost of them."""
+        python = python_frames(frames)
+        if not python:
+            if frames and any("autograd::Engine" in (fr.get("name") or "") for fr in frames):
+                return self.site_id((BACKWARD_THREAD, None, None, None))
             return self.site_id((NO_FRAMES, None, None, None))
         inner = None
         cell_line = None
         if self.find_cell:
-            self._cell_file_of((fr.get("name"), fr.get("filename") or "") for fr in frames)
-        for fr in frames:
+            self._cell_file_of((fr.get("name"), fr.get("filename") or "") for fr in python)
+        for fr in python:
             filename = fr.get("filename") or ""
-            if is_library_file(filename) or filename.startswith("??"):
+            if library_file(filename):
                 continue
             if inner is None:
                 inner = (filename, int(fr.get("line") or 0), fr.get("name"))
@@ -170,6 +221,9 @@ class Recorder:
                 cell_line = int(fr.get("line") or 0)
                 break
         if inner is None:
+            if cell_line is None and self.cell_filename is None and not self.find_cell:
+                fr = python[0]
+                return self.site_id((fr.get("filename"), int(fr.get("line") or 0), fr.get("name"), None))
             return BEFORE if cell_line is None else self.site_id((None, None, None, cell_line))
         return self.site_id((*inner, cell_line))
 

@@ -50,6 +50,12 @@ def forms_of(obj):
     from cuda_magic.display import text as T
     from cuda_magic.display import widget as W
 
+    from cuda_magic.oom.snapshot_reading import SnapshotReading, WhatIf
+
+    if isinstance(obj, (SnapshotReading, WhatIf)):       # %gpumem --snapshot (display/snapshot_view.py)
+        from cuda_magic.display.snapshot_view import forms
+
+        return forms(obj)
     if isinstance(obj, Snapshot):
         return (lambda: T.snapshot_text(obj), lambda: H.snapshot_html(obj), lambda: W.SnapshotWidget(obj))
     if isinstance(obj, SnapshotDiff):

@@ -10,19 +10,21 @@ from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_
 # %gpumem is a snapshot by default, or one of these commands. Each takes only the flags listed for it:
 # any other flag would be silently ignored, so giving it is a UsageError, raised before anything changes.
 SNAPSHOT = "the snapshot"
-COMMANDS = ("--watch", "--unwatch", "--history", "--live")
+COMMANDS = ("--watch", "--unwatch", "--history", "--live", "--snapshot")
 TAKES = {
     SNAPSHOT: {"-n", "-d", "--processes", "--diff", "-o", "-q", "--simulate"},
     "--watch": {"-q", "--simulate"},
     "--unwatch": {"-q", "--simulate"},
     "--history": {"-o", "-q", "--simulate"},
     "--live": {"-d", "-q", "--simulate"},
+    "--snapshot": {"-d", "-n", "-o", "-q", "--capacity", "--conf"},
 }
 WHAT = {
     "--watch": "--watch only switches the per-cell line on",
     "--unwatch": "--unwatch only switches the per-cell line off",
     "--history": "--history shows the --watch records of every device (-o: as a DataFrame)",
     "--live": "--live only switches the gauge on or off (-d: of that device)",
+    "--snapshot": "--snapshot reads a file (-d N: its device N, -n N: rows, --capacity/--conf: a replay)",
 }
 # within the snapshot: --diff shows what changed, not the largest tensors nor the processes
 APART = {("--diff", "-n"): "--diff lists the tensors that appeared and went, not the N largest",
@@ -34,7 +36,8 @@ def given_flags(args) -> list[str]:
     given = {"-n": args.top is not None, "-d": args.device is not None, "--processes": args.processes,
              "--diff": args.diff, "--watch": args.watch, "--unwatch": args.unwatch,
              "--history": args.history, "--live": args.live is not None,
-             "--simulate": args.simulate is not None, "-o": args.output,
+             "--simulate": args.simulate is not None, "--snapshot": args.snapshot is not None,
+             "--capacity": args.capacity is not None, "--conf": args.conf is not None, "-o": args.output,
              "-q": args.quiet}
     return [flag for flag, on in given.items() if on]
 
@@ -46,6 +49,9 @@ def command_of(args) -> str:
     if len(commands) > 1:
         raise UsageError(f"{commands[0]} and {commands[1]} cannot go together: give one")
     command = commands[0] if commands else SNAPSHOT
+    for flag in ("--capacity", "--conf"):
+        if flag in flags and command != "--snapshot":
+            raise UsageError(f"{flag} replays a recording: give it with --snapshot FILE")
     for flag in flags:
         if flag not in TAKES[command] and flag != command:
             raise UsageError(f"{command} and {flag} cannot go together: {WHAT[command]}")
@@ -67,6 +73,9 @@ class GpumemMagics(Magics):
     @argument("--history", action="store_true", help="the per-cell records of --watch as a table and a chart of allocated-after and peak per cell")
     @argument("--live", nargs="?", const="on", default=None, metavar="on|off", help="a gauge of the device in its own output, updating across cells until --live off (notebooks only)")
     @argument("--simulate", default=None, metavar="SIZE|off", help="a simulated device of that capacity for the rest of the session, or off")
+    @argument("--snapshot", default=None, metavar="FILE", help="read a memory snapshot torch.cuda.memory._dump_snapshot() wrote (gzip'd or not): the peak and its line, what held memory, what would fit")
+    @argument("--capacity", default=None, metavar="SIZE", help="with --snapshot: replay the recording on a device of this size (48GiB)")
+    @argument("--conf", default=None, metavar="SETTINGS", help="with --snapshot: replay it with these allocator settings laid over the recorded ones (expandable_segments:True)")
     @argument("-o", dest="output", action="store_true", help="return the snapshot object")
     @argument("-q", dest="quiet", action="store_true", help="display nothing")
     @line_magic
@@ -77,6 +86,8 @@ class GpumemMagics(Magics):
         if args.live is not None and args.live.strip().lower() not in ("on", "off"):
             raise UsageError(f"--live takes on or off (or nothing: on), not {args.live!r}")
         top = parse_count(args.top) if args.top is not None else 10
+        if command == "--snapshot":       # checked before anything acts (--simulate too)
+            self._snapshot_args(args)
         simulate = None
         if args.simulate is not None:
             if args.simulate.strip().lower() != "off":
@@ -92,6 +103,8 @@ class GpumemMagics(Magics):
             return self._watch(state, command == "--watch", args.quiet)
         if command == "--history":
             return self._history(state, args)
+        if command == "--snapshot":
+            return self._read_snapshot(args)
 
         from cuda_magic.memory.snapshot import diff
         from cuda_magic.memory.capture import snapshot
@@ -190,6 +203,51 @@ class GpumemMagics(Magics):
             else:
                 print("No cells recorded yet: `%gpumem --watch` records every cell from then on.")
         return None
+
+
+    def _snapshot_args(self, args) -> None:
+        """--snapshot's arguments, checked: the file, -d N, --capacity, --conf (a UsageError each)."""
+        import os
+
+        path = os.path.expanduser(args.snapshot.strip().strip("'\""))
+        if not os.path.isfile(path):
+            raise UsageError(f"--snapshot: no file {path!r}: give the path of what "
+                             "torch.cuda.memory._dump_snapshot() wrote")
+        args.snapshot = path
+        if args.device is not None:
+            args.device = parse_count(args.device, "-d")
+        args.capacity = (parse_size_arg(args.capacity, "--capacity", allow_fraction=False)
+                         if args.capacity is not None else None)
+        if args.conf is not None:
+            from cuda_magic.devices.snapshot_replay import check_conf
+
+            try:
+                args.conf = check_conf(args.conf.strip().strip("'\""))
+            except ValueError as exc:
+                raise UsageError(f"--conf: {exc}") from None
+
+    def _read_snapshot(self, args):
+        from cuda_magic.oom.snapshot_reading import SnapshotError, read_snapshot
+
+        try:
+            reading = read_snapshot(args.snapshot, device=args.device)
+        except SnapshotError as exc:
+            raise UsageError(f"--snapshot {args.snapshot}: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"--snapshot: cannot read {args.snapshot!r} ({exc.strerror or exc})") from None
+        if args.top is not None:
+            reading.rows = parse_count(args.top)
+        if args.capacity is not None or args.conf:
+            if not reading.has_trace:
+                reading.notes.append("--capacity/--conf: the replay needs a recording with history; this one "
+                                     "has the state only")
+            else:
+                reading.what_ifs.append(reading.replay(args.capacity, args.conf))
+        if not args.quiet:
+            from cuda_magic.display.show import show
+
+            show(reading)
+        return reading if args.output else None
 
 
 def _on(tensor_device: str, key: str) -> bool:

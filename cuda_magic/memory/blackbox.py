@@ -9,12 +9,13 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.recorder import BEFORE, NO_FRAMES, Recorder
+from cuda_magic.devices.recorder import BACKWARD_THREAD, BEFORE, NO_FRAMES, Recorder
 from cuda_magic.ipython import cell_label
 from cuda_magic.reprs import Rendered
 
 BEFORE_TEXT = "(allocated before the run)"
 NO_FRAMES_TEXT = "(no Python frames: autograd's backward pass, or another thread)"
+BACKWARD_TEXT = "(backward pass)"
 
 
 @dataclass
@@ -36,6 +37,8 @@ class LineUse:
         """'model.py:42', 'cell line 3', or '' for memory from before the run."""
         if self.filename == NO_FRAMES:
             return "another thread"
+        if self.filename == BACKWARD_THREAD:
+            return "autograd's thread"
         if self.in_cell and self.line is not None:
             return f"cell line {self.line}"
         if self.filename is None:
@@ -118,6 +121,8 @@ def _line_use(recorder: Recorder, site: int, nbytes: int, count: int, lines: lis
         return LineUse(None, None, None, BEFORE_TEXT, nbytes, count)
     if filename == NO_FRAMES:
         return LineUse(NO_FRAMES, None, None, NO_FRAMES_TEXT, nbytes, count)
+    if filename == BACKWARD_THREAD:
+        return LineUse(BACKWARD_THREAD, None, None, BACKWARD_TEXT, nbytes, count)
     if filename == TIMED and timed is not None and line:   # a `%%time` cell: its line k is the cell's k + 1
         code = _COMMENT.sub("", timed[line - 1].strip()) if line <= len(timed) else ""
         return LineUse(recorder.cell_filename, line + 1, function, code, nbytes, count, cell_line=line + 1,
@@ -160,6 +165,11 @@ def _merge(uses: list[LineUse]) -> list[LineUse]:
             if row.cell_line != u.cell_line:
                 row.cell_line = None
     return sorted(rows.values(), key=lambda u: -u.bytes)
+
+
+def lines_of(recorder: Recorder, sites: dict[int, tuple[int, int]]) -> list[LineUse]:
+    """The rows of `sites` ({site: (bytes, storages)}, what a Recorder keeps), one per line, largest first."""
+    return _merge([_line_use(recorder, s, b, n, None) for s, (b, n) in sites.items() if n > 0 or b > 0])
 
 
 def blackbox_from(recorder: Recorder, *, device: str = "", capacity: int | None = None, limited: bool = False,
