@@ -46,7 +46,10 @@ class FakeDevice(SimulatedDevice):
             # the simulated device's allocator as it is now, block by block (its cache, its holes): the
             # fake copies take over their real storages' blocks, and what else it holds stays held
             self.model, self._real_blocks = template.copy_state()
+            # a cap below the device is a memory fraction: segments still span the device
+            device = self.model.device_total or template.capacity
             self.model.capacity = capacity if capacity else NEVER
+            self.model.device_total = device if capacity else None
             self.allocated = template.allocated
             self.fixed = 0
         elif self.model is not None and self.fixed:

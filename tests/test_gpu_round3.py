@@ -1,0 +1,184 @@
+"""Issue 38: the CUDA paths against torch's sources, round 3. `-l` under the cudaMallocAsync backend and
+over torch's cache, a memory fraction with expandable segments, and `--expandable-segments` followed by
+`--predict` / `-r` on the simulated device. The fakes of torch.cuda do what torch's code does (file and
+version at each); none needs a GPU."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import run_ok
+from cuda_magic.devices import meter as meter_module
+from cuda_magic.devices.caching_allocator import CachingAllocatorModel, CannotReserve
+
+MiB = 2**20
+GiB = 2**30
+UINT64_MAX = 2**64 - 1
+
+
+@pytest.fixture
+def fresh_fractions(monkeypatch):
+    monkeypatch.setattr(meter_module, "_fractions_set", {})
+    monkeypatch.setattr(meter_module, "_fraction_warned", set())
+
+
+def _fake_cuda(monkeypatch, torch, *, backend: str, total: int, allocator=None):
+    """torch.cuda's fraction API over one device of `total` bytes, as torch 2.6-2.13 have it.
+
+    The setter's checks are torch/cuda/memory.py's `set_per_process_memory_fraction` (2.2-2.13: TypeError
+    for a non-float, ValueError outside 0~1). backend "cudaMallocAsync": c10/cuda/CUDAMallocAsyncAllocator.cpp
+    (2.6-2.13): `lazy_init_device` starts `pytorch_memory_limits` at UINT64_MAX, `getMemoryFraction` returns
+    it divided by the device's total, `setMemoryFraction` sets it to fraction x total, `mallocAsync` fails
+    when `pytorch_used_bytes + size` exceeds it. backend "native": `allocator`, a CachingAllocatorModel, whose
+    capacity is `allowed_memory_maximum` (c10/cuda/CUDACachingAllocator.cpp `setMemoryFraction`)."""
+    state = {"limit": UINT64_MAX, "used": 0, "emptied": 0}
+
+    def set_fraction(fraction, device=None):
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        state["limit"] = int(fraction * total)
+        if allocator is not None:
+            allocator.capacity = state["limit"]
+            allocator.device_total = total
+
+    def get_fraction(device=None):
+        if allocator is not None:
+            return allocator.capacity / total
+        return state["limit"] / total
+
+    def empty_cache():
+        state["emptied"] += 1
+        if allocator is not None:
+            allocator.empty_cache()
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "get_allocator_backend", lambda: backend)
+    monkeypatch.setattr(cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", get_fraction, raising=False)
+    monkeypatch.setattr(cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(meter_module, "cuda_started", lambda: True)
+    return state
+
+
+def test_cap_under_cuda_malloc_async_restores_no_limit_without_error(monkeypatch, fresh_fractions):
+    import torch
+
+    state = _fake_cuda(monkeypatch, torch, backend="cudaMallocAsync", total=80 * GiB)
+    assert torch.cuda.get_per_process_memory_fraction(0) > 2e8      # what the issue saw: about 2.3e8
+    meter = meter_module.CudaMeter(0)
+    with meter.running(20 * GiB):
+        assert state["limit"] == 20 * GiB
+    # 1.0 is the device's whole memory: nothing the driver can give is refused (before the fix:
+    # ValueError from the setter, and the 20 GiB cap stayed for the process)
+    assert state["limit"] == 80 * GiB
+    with meter.running(80 * GiB):          # a cap of the whole device sets nothing
+        assert state["limit"] == 80 * GiB
+
+
+def test_cap_empties_the_cache_first_so_a_cached_segment_does_not_escape_it(monkeypatch, fresh_fractions):
+    import torch
+
+    model = CachingAllocatorModel(80 * GiB)
+    _fake_cuda(monkeypatch, torch, backend="native", total=80 * GiB, allocator=model)
+    earlier = model.malloc(2 * GiB)        # an earlier, larger cell: its segment stays cached
+    model.free(earlier)
+    assert model.reserved == 2 * GiB
+    meter = meter_module.CudaMeter(0)
+    with meter.running(1 * GiB):
+        # get_free_block would serve 1.5 GiB from the cache without checking the fraction (alloc_block is
+        # the only place it is checked): emptied first, the request must reserve, and the cap says no
+        with pytest.raises(CannotReserve):
+            model.malloc(1536 * MiB)
+        model.free(model.malloc(512 * MiB))
+    assert model.capacity == 80 * GiB
+
+
+# ------------------------------------------------------------ a memory fraction with expandable segments
+
+def test_a_fraction_checks_the_whole_allocation_size_before_mapping_expandable_pages():
+    # c10/cuda/CUDACachingAllocator.cpp alloc_block (2.2 to 2.13): `set_fraction && total_allocated_memory +
+    # size > allowed_memory_maximum` with size = p.alloc_size, before try_allocate_expandable_block maps
+    # any page; the pages are then mapped while the device has memory.
+    model = CachingAllocatorModel(64 * MiB, expandable_segments=True)
+    model.device_total = 1 * GiB           # the fraction: 64 MiB of a 1 GiB device
+    a = model.malloc(30 * MiB)             # alloc_size 30 MiB fits; two 20 MiB pages mapped
+    assert model.reserved == 40 * MiB
+    # 25 MiB: no cached block that large; mapping one more page (60 MiB reserved) would fit, but 40 MiB +
+    # its 26 MiB allocation size is past the fraction
+    with pytest.raises(CannotReserve):
+        model.malloc(25 * MiB)
+    # without a fraction (a 64 MiB device) the pages are what counts
+    plain = CachingAllocatorModel(64 * MiB, expandable_segments=True)
+    plain.malloc(30 * MiB)
+    plain.malloc(25 * MiB)
+    assert plain.reserved == 60 * MiB
+    model.free(a)
+
+
+def test_expandable_segments_span_the_device_under_a_fraction_and_a_forced_request_past_it_goes_on():
+    # find_expandable_block: address space for 1 1/8 of prop.totalGlobalMem, the device's, not the fraction's
+    model = CachingAllocatorModel(64 * MiB, expandable_segments=True)
+    model.device_total = 1 * GiB
+    block = model.malloc(60 * MiB)         # alloc_size 60 MiB under 64; 3 pages mapped (past it by a page
+    assert model.reserved == 60 * MiB      # is allowed: map_block does not check the fraction)
+    model.free(block)
+    # a fake run reserves past the capacity (force): a request larger than the segment gets one that
+    # holds it instead of failing on a missing next block (the lab's AttributeError)
+    big = model.malloc(4 * GiB, force=True)
+    assert big is not None and big.size == 4 * GiB
+
+
+# ------------------------------------------- --expandable-segments, then --predict and -r (the lab bug)
+
+@pytest.fixture
+def expandable(tip):
+    from cuda_magic.devices.simulated import apply_allocator_settings
+
+    tip.run_line_magic("gpumem", "--simulate 1GiB -q")
+    try:
+        run_ok(tip, "%%oomguard -q -l 64MiB --expandable-segments\ny = torch.ones(4)")
+        yield tip
+    finally:
+        tip.run_cell("y = None")
+        tip.run_line_magic("gpumem", "--simulate off -q")
+        apply_allocator_settings(None)
+
+
+def _fits(ip, bs: int) -> bool:
+    ip.user_ns["bs"] = bs
+    report = ip.run_cell("%%oomguard -q -o --no-raise -l 64MiB\nx = torch.ones(bs, 2**16)\ndel x").result
+    return report.outcome == "ok"
+
+
+def test_predict_after_expandable_segments_finds_the_largest_value(expandable):
+    from cuda_magic.devices.simulated import active_device
+
+    assert active_device().expandable_segments
+    expandable.user_ns["bs"] = 1000
+    result = expandable.run_cell("%%oomguard --predict -q -o -r bs -l 64MiB\nx = torch.ones(bs, 2**16)")
+    assert result.error_in_exec is None, result.error_in_exec
+    p = result.result
+    assert p.complete, str(p)                         # was: stopped at line 1 (AttributeError)
+    assert p.fits is False and p.largest is not None, str(p)
+    assert expandable.user_ns["bs"] == 1000                # --predict changes nothing
+    # the real runs agree: the largest fits, 5% more does not (a 64 MiB fraction: 2 MiB of small pool
+    # and the request's allocation size)
+    assert _fits(expandable, p.largest)
+    assert not _fits(expandable, int(p.largest / 0.95) + 1)
+
+
+def test_a_cap_after_a_larger_cell_empties_the_simulated_cache(expandable):
+    assert _fits(expandable, 248)          # 62 MiB + 2 MiB of small pool: exactly the cap
+    # its pages stay mapped (80 MiB) and would serve 64 MiB without a new allocation: -l empties them first
+    assert not _fits(expandable, 256)
+
+
+def test_retry_under_expandable_segments_lands_on_a_value_that_fits(expandable):
+    expandable.user_ns["bs"] = 1000
+    report = expandable.run_cell("%%oomguard -q -o -r bs -l 64MiB\nx = torch.ones(bs, 2**16)\ndel x").result
+    assert report.outcome == "recovered" and report.final_value is not None
+    assert 0.85 * 248 <= report.final_value <= 248, [a.value for a in report.attempts]
