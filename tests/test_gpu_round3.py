@@ -182,3 +182,99 @@ def test_retry_under_expandable_segments_lands_on_a_value_that_fits(expandable):
     report = expandable.run_cell("%%oomguard -q -o -r bs -l 64MiB\nx = torch.ones(bs, 2**16)\ndel x").result
     assert report.outcome == "recovered" and report.final_value is not None
     assert 0.85 * 248 <= report.final_value <= 248, [a.value for a in report.attempts]
+
+
+# -------------------------------------------------- NVML: containers' host pids, "not available" figures
+
+from test_gpu_readers import (AMD_GPUS, FakeAmdSmi, TWO_STARTED, _rocm, _started_cuda,  # noqa: E402
+                              clean_env, fresh_amdsmi)
+from test_nvml_backends import ME, OTHER, THIRD, FakeGpu, FakeNvml  # noqa: E402
+
+from cuda_magic.devices.backends import read_devices  # noqa: E402
+from cuda_magic.devices.gauge_reader import GaugeReader  # noqa: E402
+
+HOST_PID = 3_900_417       # this process's pid in the host's namespace, which NVML lists
+
+
+def _in_container(monkeypatch):
+    """A PID namespace of its own: /proc/self/ns/pid is not the initial namespace's (PROC_PID_INIT_INO,
+    4026531836, include/linux/proc_ns.h), and NVML lists this process by its host pid (NVML's
+    nvmlProcessInfo_t.pid is the driver's, i.e. the host's)."""
+    import os
+
+    real = os.readlink
+    monkeypatch.setattr(os, "readlink", lambda path, *a, **k: "pid:[4026532513]" if path == "/proc/self/ns/pid"
+                        else real(path, *a, **k))
+
+
+STARTED_A100 = [dict(uuid="aaaa1111-0000", total=40 * GiB, free=27 * GiB, reserved=2 * GiB, allocated=GiB,
+                     context=True)]
+
+
+def test_in_a_container_this_process_is_found_by_its_figures_not_its_pid(clean_env, fresh_nvml, monkeypatch):
+    _in_container(monkeypatch)
+    # NVML's list: this process under its host pid (2 GiB reserved + a 500 MiB context), another job
+    FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GiB, 13 * GiB, "GPU-aaaa1111-0000",
+                      compute=[(HOST_PID, 2 * GiB + 500 * MiB), (OTHER, 10 * GiB)])]).install(monkeypatch)
+    _started_cuda(monkeypatch, STARTED_A100)
+    assert GaugeReader(meter_module.CudaMeter(0)).read().other_processes == 10 * GiB   # was 12.5 GiB
+    reading = read_devices()
+    (dev,) = [d for d in reading.devices if d.kind == "cuda"]
+    assert dev.other_this_process == 500 * MiB and dev.other_processes == 13 * GiB - 2 * GiB - 500 * MiB
+    rows = {p.pid: p for p in reading.processes}
+    assert rows[HOST_PID].this_process and not rows[OTHER].this_process
+
+
+def test_in_a_container_two_entries_that_could_be_this_process_leave_it_unknown(clean_env, fresh_nvml,
+                                                                                monkeypatch):
+    _in_container(monkeypatch)
+    FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GiB, 13 * GiB, "GPU-aaaa1111-0000",
+                      compute=[(HOST_PID, 2 * GiB + 500 * MiB), (OTHER, 2 * GiB + 700 * MiB)])]).install(monkeypatch)
+    _started_cuda(monkeypatch, STARTED_A100)
+    assert GaugeReader(meter_module.CudaMeter(0)).read().other_processes is None     # never ours as theirs
+
+
+def test_nvml_not_available_for_another_process_is_unknown_not_zero(clean_env, fresh_nvml, monkeypatch):
+    # pynvml (nvidia-ml-py 13.615, nvmlDeviceGetComputeRunningProcesses) turns NVML_VALUE_NOT_AVAILABLE
+    # into usedGpuMemory None ("special case for WDDM on Windows")
+    FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GiB, 13 * GiB, "GPU-aaaa1111-0000",
+                      compute=[(ME, 3 * GiB), (OTHER, None)])]).install(monkeypatch)
+    assert GaugeReader(meter_module.CudaMeter(0)).read().other_processes is None       # was 0
+    _started_cuda(monkeypatch, STARTED_A100)
+    FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GiB, 13 * GiB, "GPU-aaaa1111-0000",
+                      compute=[(ME, None), (OTHER, 10 * GiB)])]).install(monkeypatch)
+    (dev,) = [d for d in read_devices().devices if d.kind == "cuda"]
+    # this process's own figure not available: its share is not known (was: 0, so 11 GiB blamed on others)
+    assert dev.other_this_process is None and dev.other_processes is None
+
+
+# ----------------------------------------------------------- ROCm: torch 2.4-2.11's amdsmi index helper
+
+def test_rocm_uses_torchs_index_helper_where_it_flags_amdsmi_as_pynvml(clean_env, fresh_nvml, fresh_amdsmi,
+                                                                       monkeypatch):
+    # torch 2.4 to 2.11 (torch/cuda/__init__.py): the HIP build imports amdsmi and sets _HAS_PYNVML (there is
+    # no _HAS_AMDSMI, 2.13's); _get_amdsmi_device_index maps cuda:N through HIP_VISIBLE_DEVICES (its
+    # indices: position N of the list) and nothing else
+    import os
+
+    import torch
+
+    def helper_2_4(device):
+        idx = device if isinstance(device, int) else torch.device(device).index or 0
+        visible = [int(v) for v in os.environ["HIP_VISIBLE_DEVICES"].split(",")]
+        if idx >= len(visible):
+            raise RuntimeError(f"device {idx} is not visible (HIP_VISIBLE_DEVICES={visible})")
+        return visible[idx]
+
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
+    in_hip_order = [{"hip_id": 0, "processes": [(THIRD, 5 * GiB, "/opt/other/train")]},
+                    {"hip_id": 1, "processes": [(ME, 3 * GiB, "python3"), (OTHER, 2 * GiB, "serve")]}]
+    _rocm(monkeypatch, FakeAmdSmi(in_hip_order).module(), torch_helper=False)
+    monkeypatch.delattr(torch.cuda, "_HAS_AMDSMI", raising=False)
+    monkeypatch.setattr(torch.cuda, "_HAS_PYNVML", True, raising=False)
+    monkeypatch.setattr(torch.cuda, "_get_amdsmi_device_index", helper_2_4, raising=False)
+    _started_cuda(monkeypatch, TWO_STARTED[:1])
+    (dev,) = [d for d in read_devices().devices if d.kind == "cuda"]
+    # cuda:0 is amdsmi GPU 1, this process's (was: GPU 0, another job's 5 GiB)
+    assert (dev.other_this_process, dev.other_processes) == (GiB, 2 * GiB)
+    assert not [n for n in dev.notes if "HIP_VISIBLE_DEVICES is set" in n]
