@@ -192,6 +192,10 @@ class SimulatedDevice:
     #: the allocator of a device made without `allocator=` (`%gpumem --simulate`'s, `-l`'s without CUDA):
     #: "caching" (torch's caching allocator, as a GPU reserves) or "plain" (the storages' bytes)
     default_allocator = "caching"
+    #: bytes of the cuBLAS workspace a prediction for this device counts per thread that multiplies
+    #: matrices (fakerun/cuda_autocast.py, cublas_workspace_size); 0: none (the device's own runs never
+    #: take one)
+    cublas_workspace = 0
 
     def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU",
                  allocator: str | None = None, conf: str | None = None):

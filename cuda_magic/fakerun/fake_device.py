@@ -125,6 +125,25 @@ class FakeDevice(SimulatedDevice):
             self._finalizers[key] = weakref.finalize(storage, self._release, key)
         return key
 
+    workspace = 0                        # bytes of one cuBLAS workspace (0: none counted)
+
+    @property
+    def workspaces_pending(self) -> bool:
+        return bool(self.workspace) and len(self.__dict__.get("_workspaces", ())) < 2
+
+    def take_workspace(self, thread: str) -> None:
+        """Count a cuBLAS workspace for `thread` ('forward', 'backward') once: allocated through the caching
+        allocator at the thread's first matrix product and kept for the process."""
+        taken = self.__dict__.setdefault("_workspaces", {})
+        if thread in taken or not self.workspace:
+            return
+        with self._lock:
+            block = self._take(self.workspace) if self.model is not None else None
+            counted = block.size if block is not None else self.workspace
+            taken[thread] = block
+            self.allocated += counted
+            self.peak = max(self.peak, self.allocated)
+
     def start_peaks(self) -> None:
         """The peaks start from what is held when the run starts."""
         self.peak = self.allocated
