@@ -278,3 +278,107 @@ def test_rocm_uses_torchs_index_helper_where_it_flags_amdsmi_as_pynvml(clean_env
     # cuda:0 is amdsmi GPU 1, this process's (was: GPU 0, another job's 5 GiB)
     assert (dev.other_this_process, dev.other_processes) == (GiB, 2 * GiB)
     assert not [n for n in dev.notes if "HIP_VISIBLE_DEVICES is set" in n]
+
+
+# -------------------------------------------- --predict for a GPU: CUDA's cast lists, cuBLAS's workspace
+
+def test_cuda_cast_lists_einsum_in_bf16_exp_and_sum_in_fp32_weight_casts_cached():
+    # CUDA's lists (ATen/autocast_mode.h of torch 2.13, registered for AutocastCUDA in autocast_mode.cpp):
+    # einsum and linear lower_precision_fp, exp fp32, sum fp32_set_opt_dtype; cached_cast keeps one cast of
+    # a leaf fp32 weight that requires grad for the whole region. The CPU's lists have no einsum, exp, sum.
+    import torch
+
+    from cuda_magic.fakerun.cuda_autocast import cuda_autocast
+
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(4, 16)
+    with cuda_autocast("bf16") as mode:
+        y = torch.einsum("ij,bj->bi", w, x)
+        assert y.dtype == torch.bfloat16
+        assert torch.exp(y).dtype == torch.float32 and y.exp().dtype == torch.float32
+        assert y.sum(-1).dtype == torch.float32 and torch.sum(y).dtype == torch.float32
+        assert torch.nn.functional.softmax(y, -1).dtype == torch.float32
+        assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16
+        assert (x @ w.t()).dtype == torch.bfloat16
+        assert len(mode.cache) == 1                     # w cast once, used three times
+        loss = torch.nn.functional.cross_entropy(y, torch.tensor([0, 1, 2, 3]))
+        assert loss.dtype == torch.float32
+    assert not mode.cache                               # cleared with the region, as torch's
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # the CPU's lists: what the prediction used
+        assert torch.exp(y).dtype == torch.bfloat16 and y.sum(-1).dtype == torch.bfloat16
+
+
+def test_cublas_workspace_size_per_architecture_and_config():
+    # aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize: ":4096:2:16:8" by default
+    # (8.125 MiB), 4096 KiB x 8 on sm 9.0; each ":SIZE:COUNT" adds SIZE KiB x COUNT
+    from cuda_magic.fakerun.cuda_autocast import cublas_workspace_size
+
+    assert cublas_workspace_size((8, 0), (2, 6), config=None) == 8 * MiB + 128 * 1024
+    assert cublas_workspace_size((9, 0), (2, 6), config=None) == 32 * MiB
+    assert cublas_workspace_size((10, 0), (2, 6), config=None) == 8 * MiB + 128 * 1024
+    assert cublas_workspace_size((10, 0), (2, 13), config=None) == 32 * MiB
+    assert cublas_workspace_size((9, 0), (2, 6), config=":16:8") == 128 * 1024
+    assert cublas_workspace_size((8, 0), (2, 6), config=":4096:8:16:8") == 32 * MiB + 128 * 1024
+    assert cublas_workspace_size((9, 0), (2, 6), config="garbage") == 32 * MiB    # torch warns, default
+
+
+@pytest.fixture
+def gpu_like(tip):
+    tip.run_line_magic("gpumem", "--simulate 1GiB -q")
+    try:
+        run_ok(tip, "torch.manual_seed(0)\nw = torch.nn.Parameter(torch.randn(1024, 1024))\nx = torch.randn(4096, 1024)")
+        yield tip
+    finally:
+        tip.run_cell("w = x = None")
+        tip.run_line_magic("gpumem", "--simulate off -q")
+
+
+def _predicted(ip, flags: str, cell: str):
+    result = ip.run_cell(f"%%oomguard --predict -q -o {flags}\n" + cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    return result.result
+
+
+def test_predict_amp_on_a_simulated_gpu_uses_cudas_lists_and_counts_workspaces(gpu_like):
+    from cuda_magic.devices.simulated import active_device
+
+    cell = "e = torch.exp(torch.einsum('ij,bj->bi', w, x))"
+    p = _predicted(gpu_like, "--amp bf16", cell)
+    # CUDA: x's bf16 copy (8 MiB) and w's (2 MiB, cached), the einsum's bf16 output (8 MiB) cast back to
+    # fp32 for exp (16 MiB) and exp's fp32 output (16 MiB), over w and x (4 + 16 MiB); the CPU's lists run
+    # einsum in fp32 (16 MiB) and exp on it: 52 MiB
+    assert p.peak >= 60 * MiB, p.peak
+    step = "y = torch.einsum('ij,bj->bi', w, x)\ny.sum().backward()"
+    before = _predicted(gpu_like, "", step).peak
+    active_device().cublas_workspace = 32 * MiB
+    try:
+        after = _predicted(gpu_like, "", step).peak
+        forward_only = _predicted(gpu_like, "", "y = torch.einsum('ij,bj->bi', w, x)").peak
+    finally:
+        active_device().cublas_workspace = 0
+    # the cell's thread and autograd's one workspace each: the second is taken in the backward pass, when
+    # some of the forward's tensors are gone, so it adds to the peak what it overlaps
+    assert 32 * MiB < after - before <= 64 * MiB, (after - before) / MiB
+    assert forward_only - _predicted(gpu_like, "", "y = torch.einsum('ij,bj->bi', w, x)").peak == 32 * MiB
+
+
+def test_predict_of_the_recorded_cs336_bf16_forward_is_within_1_percent():
+    """The 3.41B model's forward under bf16 autocast, recorded on an H100 with torch 2.6
+    (../shared/gpu_traces/cs336_ctx128_fwd_mixed), predicted from the public model code
+    kkaitlyn111/cs336-assignment1 where `fetch` left it (skipped where the code, einops/jaxtyping or the
+    recording is absent)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import bench_cs336_amp as bench
+
+    trace = os.path.join(bench.TRACES, "cs336_ctx128_fwd_mixed.pickle.gz")
+    source = bench.model_source(None)
+    deps = "/tmp/cs336deps"
+    if not os.path.exists(trace) or source is None or not os.path.isdir(deps):
+        pytest.skip("the cs336 recording, the fetched model code or einops/jaxtyping (in /tmp/cs336deps) is absent")
+    sys.path[:0] = [source, deps]
+    real = bench.recorded_peak(trace)
+    predicted = bench.predict_forward(128).peak
+    assert abs(predicted - real) <= 0.01 * real, (predicted, real)
