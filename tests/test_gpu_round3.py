@@ -148,10 +148,13 @@ def expandable(tip):
         apply_allocator_settings(None)
 
 
-def _fits(ip, bs: int) -> bool:
+def _run_capped(ip, bs: int):
     ip.user_ns["bs"] = bs
-    report = ip.run_cell("%%oomguard -q -o --no-raise -l 64MiB\nx = torch.ones(bs, 2**16)\ndel x").result
-    return report.outcome == "ok"
+    return ip.run_cell("%%oomguard -q -o --no-raise -l 64MiB\nx = torch.ones(bs, 2**16)\ndel x").result
+
+
+def _fits(ip, bs: int) -> bool:
+    return _run_capped(ip, bs).outcome == "ok"
 
 
 def test_predict_after_expandable_segments_finds_the_largest_value(expandable):
@@ -174,7 +177,11 @@ def test_predict_after_expandable_segments_finds_the_largest_value(expandable):
 def test_a_cap_after_a_larger_cell_empties_the_simulated_cache(expandable):
     assert _fits(expandable, 248)          # 62 MiB + 2 MiB of small pool: exactly the cap
     # its pages stay mapped (80 MiB) and would serve 64 MiB without a new allocation: -l empties them first
-    assert not _fits(expandable, 256)
+    report = _run_capped(expandable, 256)
+    assert report.outcome == "oom"
+    # and the report says what the cap bounds (y, 512 B, was held before the run)
+    said = [w for w in report.warnings if "bounds everything PyTorch reserves on sim:0" in w]
+    assert said and "512 B held before the run" in said[0], report.warnings
 
 
 def test_retry_under_expandable_segments_lands_on_a_value_that_fits(expandable):
@@ -382,3 +389,47 @@ def test_predict_of_the_recorded_cs336_bf16_forward_is_within_1_percent():
     real = bench.recorded_peak(trace)
     predicted = bench.predict_forward(128).peak
     assert abs(predicted - real) <= 0.01 * real, (predicted, real)
+
+
+# ----------------------------- the default path's prediction tests, with expandable segments switched on
+
+@pytest.fixture
+def mlp_expandable(tip):
+    from test_predict import MLP
+
+    from cuda_magic.devices.simulated import apply_allocator_settings
+
+    run_ok(tip, "%gpumem --simulate 64MiB")
+    try:
+        run_ok(tip, "%%oomguard -q --expandable-segments\npass")
+        run_ok(tip, MLP + "bs = 512")
+        yield tip
+    finally:
+        tip.run_line_magic("gpumem", "--simulate off -q")
+        apply_allocator_settings(None)
+
+
+def test_expandable_the_predicted_peak_is_the_peak_of_a_real_run(mlp_expandable):
+    from test_predict import STEP, measured, predict
+
+    from cuda_magic.devices.simulated import active_device
+
+    assert active_device().expandable_segments
+    p = predict(mlp_expandable, "", STEP)
+    real = measured(mlp_expandable, "", STEP)
+    assert real.outcome == "ok" and p.complete and p.fits is True
+    assert abs(p.peak - real.peaks["sim:0"]) <= 0.05 * real.peaks["sim:0"], (p.peak, real.peaks)
+
+
+def test_expandable_largest_with_accumulation_fits_when_run(mlp_expandable):
+    from test_predict import STEP, measured, predict
+
+    run_ok(mlp_expandable, "bs, acc = 4096, 2")
+    cell = STEP.replace("for step in range(3):", "for step in range(3 * acc):").replace(
+        "loss.backward()", "(loss / acc).backward()")
+    p = predict(mlp_expandable, "-r bs -a acc", cell)
+    assert p.fits is False and p.largest is not None and p.largest * p.largest_accumulation >= 4096 * 2
+    run_ok(mlp_expandable, f"bs, acc = {p.largest}, {p.largest_accumulation}")
+    assert measured(mlp_expandable, "", cell).outcome == "ok"
+    run_ok(mlp_expandable, f"bs = {int(p.largest / 0.95) + 1}")
+    assert measured(mlp_expandable, "", cell).outcome == "oom"
