@@ -5,8 +5,10 @@ keeps per thread that multiplies matrices.
 The cast lists are CUDA's (`AutocastCUDA`), read from torch 2.13's `ATen/autocast_mode.h` (installed
 wheel): AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
 AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm: fp32 appended dtype) and AT_FORALL_PROMOTE, registered for
-CUDA in `autocast_mode.cpp`. Entries for ops a torch version does not have never match there (rms_norm
-is 2.4+); earlier versions' lists were not compared entry by entry. The policies (autocast_mode.h):
+CUDA in `autocast_mode.cpp`; the 2.4-era `autocast_mode.cpp` (pytorch/pytorch 008ec6b) registers the
+same macros for CUDA (plus cudnn_convolution, not reachable from Python). Entries for ops a torch version
+does not have never match there (rms_norm is 2.4+); the 2.2-2.3 lists were not compared entry by entry.
+The policies (autocast_mode.h, the same from 2.2 to 2.13):
 lower_precision_fp casts every eligible floating tensor argument (not float64) to the autocast dtype,
 caching the casts of leaf fp32 tensors that require grad (weights) until the autocast region ends
 (`cached_cast`); fp32 casts them to float32; fp32_set_opt_dtype passes dtype=float32 where the first
@@ -139,10 +141,9 @@ def cuda_autocast(amp: str):
             elif rule == "fp32":
                 args, kwargs = self._cast(args, fp32), {k: self._cast(v, fp32) for k, v in kwargs.items()}
             elif rule == "set_opt_dtype":
-                if args and eligible(args[0]) and kwargs.get("dtype") is None and name != "norm":
+                # (norm's fp32_append_dtype gives the overloads without a dtype one: the same here)
+                if args and eligible(args[0]) and kwargs.get("dtype") is None:
                     kwargs = dict(kwargs, dtype=fp32)
-                elif args and eligible(args[0]) and name == "norm" and args[0].dtype != fp32:
-                    args = (args[0].to(fp32), *args[1:])
             elif rule == "promote":
                 floats = [a for a in list(args) + list(kwargs.values()) if eligible(a)]
                 if floats:
