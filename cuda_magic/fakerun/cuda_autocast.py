@@ -25,6 +25,8 @@ SIZE KiB x COUNT over each `:SIZE:COUNT` of CUBLAS_WORKSPACE_CONFIG, else 4096 K
 9, 10 and 12, taken here from 2.7, the first with Blackwell builds). It is allocated through the caching
 allocator at a thread's first cuBLAS call (`getCurrentCUDABlasHandle`: one handle and workspace per
 thread and stream) and kept: the forward's thread and autograd's device thread, two in a training step.
+On CUDA the cell's thread's workspace is counted even where an earlier cell made it already (nothing
+tells it from a tensor of the same size): the prediction can be one workspace high there.
 Not modelled: cuBLASLt's workspace, cuDNN's workspaces, kernels' own temporaries (reduction staging).
 """
 from __future__ import annotations

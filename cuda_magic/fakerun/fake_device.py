@@ -126,23 +126,25 @@ class FakeDevice(SimulatedDevice):
         return key
 
     workspace = 0                        # bytes of one cuBLAS workspace (0: none counted)
+    workspaces_pending = False           # whether a thread's workspace is still to be counted (read per op)
 
-    @property
-    def workspaces_pending(self) -> bool:
-        return bool(self.workspace) and len(self.__dict__.get("_workspaces", ())) < 2
+    def set_workspace(self, nbytes: int) -> None:
+        self.workspace = int(nbytes)
+        self.workspaces_pending = self.workspace > 0
+        self._workspaces: dict = {}
 
     def take_workspace(self, thread: str) -> None:
         """Count a cuBLAS workspace for `thread` ('forward', 'backward') once: allocated through the caching
         allocator at the thread's first matrix product and kept for the process."""
-        taken = self.__dict__.setdefault("_workspaces", {})
-        if thread in taken or not self.workspace:
+        if thread in self._workspaces or not self.workspace:
             return
         with self._lock:
             block = self._take(self.workspace) if self.model is not None else None
             counted = block.size if block is not None else self.workspace
-            taken[thread] = block
+            self._workspaces[thread] = block
             self.allocated += counted
             self.peak = max(self.peak, self.allocated)
+        self.workspaces_pending = len(self._workspaces) < 2
 
     def start_peaks(self) -> None:
         """The peaks start from what is held when the run starts."""

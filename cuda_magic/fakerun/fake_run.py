@@ -334,7 +334,7 @@ class FakeRunner:
         fixed = max(0, self.real_allocated - copies.real_bytes(self.counts))
         device = FakeDevice(self.device, key=self.key, fixed=fixed, capacity=self.capacity,
                             allocator=self.allocator, conf=self.conf, template=self.template)
-        device.workspace = _cublas_workspace(self.device, self.template)
+        device.set_workspace(_cublas_workspace(self.device, self.template))
         tally = KindTally()
         copies.hold(device, self.counts)
         device.start_peaks()
