@@ -358,10 +358,12 @@ class GuardedRun:
                 and not getattr(self.meter, "temporary", False)):
             from cuda_magic.units import format_bytes
 
-            self.note(f"the cap {format_bytes(limit)} bounds everything PyTorch reserves on {self.meter.key}: "
-                      f"the {format_bytes(held)} held before the run counts against it, and the allocator's "
-                      "cache was emptied first (torch checks the cap only when it reserves memory, not when "
-                      "its cache serves a request)")
+            # with the report, not as it comes up: the run's own lines lead
+            self.report.warnings.append(
+                f"the cap {format_bytes(limit)} bounds everything PyTorch reserves on {self.meter.key}: the "
+                f"{format_bytes(held)} held before the run counts against it, and the allocator's cache was "
+                "emptied first (torch checks the cap only when it reserves memory, not when its cache serves "
+                "a request)")
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, self.options.filename)
 
