@@ -371,7 +371,7 @@ def test_predict_amp_on_a_simulated_gpu_uses_cudas_lists_and_counts_workspaces(g
 
 def test_predict_of_the_recorded_cs336_bf16_forward_is_within_1_percent():
     """The 3.41B model's forward under bf16 autocast, recorded on an H100 with torch 2.6
-    (../shared/gpu_traces/cs336_ctx128_fwd_mixed), predicted from the public model code
+    (../shared/gpu_traces/cs336_ctx512_fwd_mixed), predicted from the public model code
     kkaitlyn111/cs336-assignment1 where `fetch` left it (skipped where the code, einops/jaxtyping or the
     recording is absent)."""
     import os
@@ -380,14 +380,15 @@ def test_predict_of_the_recorded_cs336_bf16_forward_is_within_1_percent():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     import bench_cs336_amp as bench
 
-    trace = os.path.join(bench.TRACES, "cs336_ctx128_fwd_mixed.pickle.gz")
+    # context 512: the CPU's cast lists (what the prediction used before) were 3.8% low there
+    trace = os.path.join(bench.TRACES, "cs336_ctx512_fwd_mixed.pickle.gz")
     source = bench.model_source(None)
     deps = "/tmp/cs336deps"
     if not os.path.exists(trace) or source is None or not os.path.isdir(deps):
         pytest.skip("the cs336 recording, the fetched model code or einops/jaxtyping (in /tmp/cs336deps) is absent")
     sys.path[:0] = [source, deps]
     real = bench.recorded_peak(trace)
-    predicted = bench.predict_forward(128).peak
+    predicted = bench.predict_forward(512).peak
     assert abs(predicted - real) <= 0.01 * real, (predicted, real)
 
 
