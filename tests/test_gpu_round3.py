@@ -434,3 +434,39 @@ def test_expandable_largest_with_accumulation_fits_when_run(mlp_expandable):
     assert measured(mlp_expandable, "", cell).outcome == "ok"
     run_ok(mlp_expandable, f"bs = {int(p.largest / 0.95) + 1}")
     assert measured(mlp_expandable, "", cell).outcome == "oom"
+
+
+@pytest.fixture
+def trainer_expandable(tip):
+    from test_retry_prediction import SETUP
+
+    from cuda_magic.devices.simulated import apply_allocator_settings
+
+    tip.run_line_magic("gpumem", "--simulate 128MiB -q")
+    try:
+        run_ok(tip, "%%oomguard -q --expandable-segments\npass")
+        run_ok(tip, SETUP)
+        yield tip
+    finally:
+        tip.run_line_magic("gpumem", "--simulate off -q")
+        apply_allocator_settings(None)
+
+
+#: the largest bs at which test_retry_prediction's MLP cell fits on 128 MiB with expandable segments
+#: (torch 2.13 CPU build; `largest` checks it and searches outward where another torch differs). On
+#: 32 MiB the large pool's 20 MiB pages leave one page mapped, and the retry's check that the allocator
+#: can serve the failure's memory scaled (recover/retry.py `_served`, one block for all that was held)
+#: lands at 71% of the largest: not this issue's code, said in its report
+LARGEST_MLP_EXPANDABLE = 9830
+
+
+def test_expandable_the_first_retry_fits_within_15_percent_of_the_largest(trainer_expandable):
+    from retry_helpers import largest
+    from test_retry_prediction import CELL
+
+    maximum = largest(trainer_expandable, CELL, LARGEST_MLP_EXPANDABLE)
+    for start in (int(maximum * 1.4), int(maximum * 1.9)):
+        run_ok(trainer_expandable, f"reset()\nbs = {start}")
+        report = trainer_expandable.run_cell("%%oomguard -q -o -r bs\n" + CELL).result
+        values = [a.value for a in report.attempts]
+        assert len(values) == 2 and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)
