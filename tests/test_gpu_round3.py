@@ -193,7 +193,7 @@ def test_retry_under_expandable_segments_lands_on_a_value_that_fits(expandable):
 
 # -------------------------------------------------- NVML: containers' host pids, "not available" figures
 
-from test_gpu_readers import (AMD_GPUS, FakeAmdSmi, TWO_STARTED, _rocm, _started_cuda,  # noqa: E402
+from test_gpu_readers import (FakeAmdSmi, TWO_STARTED, _rocm, _started_cuda,  # noqa: E402
                               clean_env, fresh_amdsmi)
 from test_nvml_backends import ME, OTHER, THIRD, FakeGpu, FakeNvml  # noqa: E402
 
