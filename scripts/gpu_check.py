@@ -6,7 +6,7 @@ The checks run in order of truth per minute (the most telling and quickest first
 a run cut short still leaves the most telling lines; each prints PASS, FAIL or SKIP with its figures, and
 an exception inside one is that check's FAIL, not the end of the run. NVML is started inside the checks,
 so a machine without it (ROCm) gets FAIL or SKIP lines, not a crash. Without a GPU every check is a SKIP
-and the exit status is 0; otherwise it is 1 when any check failed. About 3.5 minutes on one H100
+and the exit status is 0; otherwise it is 1 when any check failed. About 3.7 minutes on one H100
 (each check's estimate: --help), within the 4 minutes it must fit in.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ GiB = 1024**3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHECKS = [
-    ("replay", 15, "a small training step recorded with torch's defaults (_record_memory_history()), its snapshot "
+    ("replay", 25, "a small training step recorded with torch's defaults (_record_memory_history()), its snapshot "
                    "dumped and replayed through the allocator model (devices/caching_allocator.py): every "
                    "segment_alloc and segment_free equal, in order (in a subprocess, so that this one starts no "
                    "CUDA before 'context')"),
