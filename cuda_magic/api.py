@@ -237,7 +237,7 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
     that the effective batch stays at least what it was (`exact=True`: a divisor of it). `limit` ("16GiB",
     a fraction) and `device` choose what to fit in, as for `oomguard`; `amp` ('bf16', 'fp16') predicts
     under torch.autocast."""
-    from cuda_magic.devices.meter import autocast as autocast_for
+    from cuda_magic.fakerun.cuda_autocast import prediction_autocast as autocast_for
     from cuda_magic.devices.meter import capacity_of
     from cuda_magic.fakerun.planner import Planner, prediction_meter
     from cuda_magic.recover.guarded import RetrySpec

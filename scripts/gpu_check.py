@@ -6,7 +6,8 @@ The checks run in order of truth per minute (the most telling and quickest first
 a run cut short still leaves the most telling lines; each prints PASS, FAIL or SKIP with its figures, and
 an exception inside one is that check's FAIL, not the end of the run. NVML is started inside the checks,
 so a machine without it (ROCm) gets FAIL or SKIP lines, not a crash. Without a GPU every check is a SKIP
-and the exit status is 0; otherwise it is 1 when any check failed. About 2-4 minutes on one large GPU.
+and the exit status is 0; otherwise it is 1 when any check failed. About 3.7 minutes on one H100
+(each check's estimate: --help), within the 4 minutes it must fit in.
 """
 from __future__ import annotations
 
@@ -23,41 +24,51 @@ GiB = 1024**3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHECKS = [
-    ("context", "before CUDA starts: %load_ext and %gpumem create no CUDA context (NVML lists no process for "
-                "this pid); the capacity from NVML's v2 memory against torch.cuda.mem_get_info once started "
-                "(within 2 MiB)"),
-    ("gauge", "the live gauge's reader before and after CUDA starts: its figures against torch's and NVML's"),
-    ("watch", "%gpumem --watch: a cell's peak equals torch.cuda.max_memory_allocated() read at its end"),
-    ("oom-cap", "a real OOM under -l: the black box's failing request and its line, the by-line row of the big "
-                "tensor at its size, allocated at the failure against the message's 'allocated by PyTorch'"),
-    ("oom-uncapped", "torch.empty far beyond the card: the parsed fields against mem_get_info, memory_allocated "
-                     "and memory_reserved"),
-    ("backward", "an OOM in loss.backward() under -l (the forward pass fits): the backward phase, the cell line "
-                 "of backward(), a training advice"),
-    ("cudnn", "a convolution under a tight cap with --timeline: the out-of-memory errors cuDNN caught itself "
-              "against the oom entries of torch's own _snapshot()"),
-    ("ring", "tens of thousands of alloc/free pairs overflow the history's ring, then an OOM: allocated at the "
-             "failure and the by-line total against torch's figure"),
-    ("freecuda", "%freecuda gives the cache back (NVML's free figure); expandable_segments switched on at "
-                 "runtime (a RuntimeError is a FAIL)"),
-    ("processes", "subprocesses: backend:cudaMallocAsync with a guarded cell; CUDA_VISIBLE_DEVICES as a GPU- "
-                  "UUID prefix, 0 and empty; a second process holding 2 GiB (the other-process figure, "
-                  "--processes, the message's 'Process N has ...')"),
-    ("oomguard-on", "%oomguard on with a real OOM; a notebook through nbclient with a 2 s guarded cell (the "
-                    "widget and the gauge's outputs present)"),
-    ("retry", "-r on a CNN training cell under -l: 2 runs, within 15% of the largest value that fits, the model "
-              "and optimizer equal to one clean run at the value found"),
-    ("predict", "%%oomguard --predict on the CNN training cell: torch's allocated and reserved figures do not move "
-                "during the prediction, the predicted peak against the real run's max_memory_allocated (within "
-                "5%), and -r under -l: the predicted value fits when run"),
-    ("allocator", "the simulated caching allocator against torch's: the same training cells' allocations replayed "
-                  "on a simulated device, its peak reserved against torch.cuda.max_memory_reserved (within 5%)"),
+    ("replay", 25, "a small training step recorded with torch's defaults (_record_memory_history()), its snapshot "
+                   "dumped and replayed through the allocator model (devices/caching_allocator.py): every "
+                   "segment_alloc and segment_free equal, in order (in a subprocess, so that this one starts no "
+                   "CUDA before 'context')"),
+    ("context", 5, "before CUDA starts: %load_ext and %gpumem create no CUDA context (NVML lists no process for "
+                   "this pid); the capacity from NVML's v2 memory against torch.cuda.mem_get_info once started "
+                   "(within 2 MiB)"),
+    ("gauge", 3, "the live gauge's reader before and after CUDA starts: its figures against torch's and NVML's"),
+    ("watch", 3, "%gpumem --watch: a cell's peak equals torch.cuda.max_memory_allocated() read at its end"),
+    ("oom-cap", 5, "a real OOM under -l: the black box's failing request and its line, the by-line row of the big "
+                   "tensor at its size, allocated at the failure against the message's 'allocated by PyTorch'"),
+    ("oom-uncapped", 3, "torch.empty far beyond the card: the parsed fields against mem_get_info, memory_allocated "
+                        "and memory_reserved"),
+    ("backward", 8, "an OOM in loss.backward() under -l (the forward pass fits; -l empties the cache first, so "
+                    "the cap holds): the backward phase, the cell line of backward(), a training advice"),
+    ("ring", 12, "tens of thousands of alloc/free pairs overflow the history's ring, then an OOM: allocated at the "
+                 "failure and the by-line total against torch's figure"),
+    ("freecuda", 5, "%freecuda gives the cache back (NVML's free figure); expandable_segments switched on at "
+                    "runtime (a RuntimeError is a FAIL), then off again for the later checks"),
+    ("processes", 35, "subprocesses: backend:cudaMallocAsync with a guarded cell and -l (the fraction restored "
+                      "without error); CUDA_VISIBLE_DEVICES as a GPU-UUID prefix, 0 and empty; a second process "
+                      "holding 2 GiB (the other-process figure, --processes, the message's 'Process N has ...'; "
+                      "found by its memory where NVML lists host pids, in a container)"),
+    ("oomguard-on", 20, "%oomguard on with a real OOM; a notebook through nbclient with a 2 s guarded cell (the "
+                        "widget and the gauge's outputs present)"),
+    ("retry", 35, "-r on a CNN training cell under -l: 2 runs, within 15% of the largest value that fits (found "
+                  "to 3%), the model and optimizer close to one clean run at the value found (cuDNN's "
+                  "convolutions and NLLLoss are not deterministic on CUDA: a tolerance, not equality)"),
+    ("predict", 30, "%%oomguard --predict on the CNN training cell: torch's allocated and reserved figures do not "
+                    "move during the prediction, the predicted peak against the real run's max_memory_allocated "
+                    "(within 5% and the 64 MiB cuDNN may take for workspaces, which a fake run has not), and -r "
+                    "under -l: the predicted value fits when run"),
+    ("allocator", 20, "the simulated caching allocator against torch's: the same training cells' allocations "
+                      "replayed on a simulated device, its peak reserved against torch.cuda.max_memory_reserved "
+                      "(within 5% and cuDNN's 64 MiB)"),
+    ("cudnn", 15, "a convolution under a tight cap with --timeline: the out-of-memory errors cuDNN caught itself "
+                  "against the oom entries of torch's own _snapshot() (recorded with Python stacks only: "
+                  "symbolising C++ frames takes minutes)"),
 ]
 
 
 def parse_args(argv):
-    listed = "\n".join(textwrap.fill(f"{name}: {what}", 100, initial_indent="  ", subsequent_indent="      ")
-                       for name, what in CHECKS)
+    listed = "\n".join(textwrap.fill(f"{name} (about {cost} s on one H100): {what}", 100, initial_indent="  ",
+                                      subsequent_indent="      ") for name, cost, what in CHECKS)
+    listed += f"\n  all of them: about {sum(c for _, c, _ in CHECKS)} s"
     parser = argparse.ArgumentParser(
         description="cuda_magic's checks on a real GPU, in order (each PASS, FAIL or SKIP with its figures)",
         epilog="the checks:\n" + listed, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +77,7 @@ def parse_args(argv):
                         help="run only these checks (comma-separated names from the list below)")
     args = parser.parse_args(argv)
     if args.only:
-        unknown = set(args.only.split(",")) - {n for n, _ in CHECKS}
+        unknown = set(args.only.split(",")) - {n for n, _, _ in CHECKS}
         if unknown:
             parser.error(f"no check named {', '.join(sorted(unknown))}")
     return args
@@ -108,14 +119,14 @@ def main(argv=None) -> int:
                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
     count = torch.cuda.device_count()            # NVML-based before CUDA starts: no context made
     report.say(f"driver {_driver()}  GPUs torch sees: {count}  {_names()}")
-    wanted = set(args.only.split(",")) if args.only else {n for n, _ in CHECKS}
+    wanted = set(args.only.split(",")) if args.only else {n for n, _, _ in CHECKS}
     if count == 0:
-        for name, _ in CHECKS:
+        for name, _, _ in CHECKS:
             if name in wanted:
                 report.check(None, name, "no CUDA GPU here: nothing to check")
         return report.finish()
     checks = Checks(ip, torch, report)
-    for name, _ in CHECKS:
+    for name, _, _ in CHECKS:
         if name not in wanted:
             continue
         started = time.perf_counter()
@@ -176,6 +187,12 @@ class Checks:
         result = self.ip.run_cell(cell)
         return result
 
+    # 0 ----------------------------------------------------------------------------------------------
+    def replay(self):
+        out = _python(REPLAY, timeout=120)
+        line = next((ln for ln in out.splitlines() if ln.startswith("REPLAY")), out.strip()[-400:])
+        self.ok(line.startswith("REPLAY") and " equal True" in line, "replay", line)
+
     # 1 ----------------------------------------------------------------------------------------------
     def context(self):
         torch, ip = self.torch, self.ip
@@ -223,12 +240,16 @@ class Checks:
         ip.run_line_magic("gpumem", "--watch -q")
         ip.run_cell("a = torch.ones(512 * 2**20 // 4, device='cuda')\nb = torch.ones(256 * 2**20 // 4, device='cuda')\n"
                     "del a\npeak_in_cell = torch.cuda.max_memory_allocated()")
-        ip.run_line_magic("gpumem", "--unwatch -q")
-        row = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")[-2]
-        expected = ip.user_ns.get("peak_in_cell")
-        self.ok(row["peak"] == expected, "watch", f"--watch peak {row['peak']} against max_memory_allocated() "
-                                                    f"{expected} (row {row})")
-        ip.run_cell("del b")
+        try:
+            ip.run_line_magic("gpumem", "--unwatch -q")
+            rows = ip.run_line_magic("gpumem", "--history -o -q").to_dict("records")
+            expected = ip.user_ns.get("peak_in_cell")
+            # the history may hold one row (the watched cell) or more: the cell's is the one with the peak
+            row = max(rows, key=lambda r: r.get("peak") or 0) if rows else {}
+            self.ok(row.get("peak") == expected, "watch", f"--watch peak {row.get('peak')} against "
+                    f"max_memory_allocated() {expected} ({len(rows)} row(s), {row})")
+        finally:
+            ip.run_cell("a = b = None")
 
     # 4 ----------------------------------------------------------------------------------------------
     def oom_cap(self):
@@ -297,7 +318,9 @@ class Checks:
     # 7 ----------------------------------------------------------------------------------------------
     def cudnn(self):
         ip, torch = self.ip, self.torch
-        torch.cuda.memory._record_memory_history(max_entries=200_000)   # the user's own, kept by the guard
+        # the user's own, kept by the guard; Python stacks only (stacks="python", torch 2.1+): C++ frames
+        # are symbolised at every _snapshot(), which takes minutes
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
         try:
             ip.run_cell("conv = torch.nn.Conv2d(64, 64, 7, padding=3).cuda()\n"
                         "img = torch.randn(64, 64, 128, 128, device='cuda')\ntorch.backends.cudnn.benchmark = True\n")
@@ -354,10 +377,14 @@ class Checks:
         from cuda_magic.devices.allocator_conf import enable_expandable_segments
 
         said = enable_expandable_segments()                 # a RuntimeError is this check's FAIL
-        ip.run_cell("seg = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")
-        expandable = [s for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
-        self.ok(bool(expandable), "freecuda", f"{said[:80]}...: {len(expandable)} expandable segment(s) after")
-        ip.run_cell("seg = None")
+        try:
+            ip.run_cell("seg = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")
+            expandable = [s for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
+            self.ok(bool(expandable), "freecuda", f"{said[:80]}...: {len(expandable)} expandable segment(s) after")
+        finally:
+            ip.run_cell("seg = None")
+            _expandable_off(torch)          # the later checks measure the default allocator
+            ip.run_line_magic("freecuda", "-q")
 
     # 10 ---------------------------------------------------------------------------------------------
     def processes(self):
@@ -365,10 +392,12 @@ class Checks:
                    "ip.run_line_magic('load_ext', 'cuda_magic')\nip.run_cell('import torch')\n"
                    "r = ip.run_cell('%%oomguard -l 1GiB --no-raise -q -o\\n"
                    "x = torch.empty(2 * 2**30, dtype=torch.uint8, device=\"cuda\")').result\n"
-                   "print('OUTCOME', r.outcome, 'NOTES', r.blackbox.notes if r.blackbox else None)\n")
+                   "f = getattr(torch.cuda, 'get_per_process_memory_fraction', lambda i=None: 1.0)(0)\n"
+                   "print('OUTCOME', r.outcome, 'FRACTION', min(f, 1.0) if f > 1 else f, 'NOTES', "
+                   "r.blackbox.notes if r.blackbox else None)\n")
         out = _python(guarded, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-        self.ok("OUTCOME oom" in out and "allocator backend keeps no history" in out, "processes",
-                f"backend:cudaMallocAsync: {out.strip().splitlines()[-1] if out.strip() else out!r}")
+        self.ok("OUTCOME oom" in out and "allocator backend keeps no history" in out and "FRACTION 1.0" in out,
+                "processes", f"backend:cudaMallocAsync: {out.strip().splitlines()[-1] if out.strip() else out!r}")
         listing = ("from IPython.testing.globalipapp import get_ipython\nip = get_ipython()\n"
                    "ip.run_line_magic('load_ext', 'cuda_magic')\nimport torch\n"
                    "s = ip.run_line_magic('gpumem', '-q -o')\n"
@@ -395,8 +424,14 @@ class Checks:
             snap = self.ip.run_line_magic("gpumem", "-q -o --processes")
             dev = next(d for d in snap.device_list if d.key == "cuda:0")
             pids = [p.pid for p in snap.processes if p.device == "cuda:0"]
+            # in a container NVML lists host pids: the holder is then the entry not this process's with
+            # its 2 GiB (devices/pids.py)
+            from cuda_magic.devices.pids import in_pid_namespace
+
+            holder_listed = holder.pid in pids or (in_pid_namespace() and any(
+                not p.this_process and (p.used or 0) >= 2 * GiB for p in snap.processes if p.device == "cuda:0"))
             self.ok(dev.other_processes is not None and dev.other_processes >= 2 * GiB - 64 * MiB
-                    and holder.pid in pids, "processes",
+                    and holder_listed, "processes",
                     f"a second process holding 2 GiB: other processes {dev.other_processes}, listed pids {pids} "
                     f"(the holder is {holder.pid})")
             _, total = self.torch.cuda.mem_get_info(0)
@@ -404,7 +439,9 @@ class Checks:
             rep = self.ip.run_cell("%%oomguard --no-raise -q -o\nz = torch.empty(far, dtype=torch.uint8, "
                                    "device='cuda')").result
             listed = dict(rep.oom.processes) if rep.oom else {}
-            self.ok(holder.pid in listed and listed[holder.pid] >= 2 * GiB - 64 * MiB, "processes",
+            held = listed.get(holder.pid) if not in_pid_namespace() else max(
+                (u for pid, u in listed.items() if u and u >= 2 * GiB - 64 * MiB), default=None)
+            self.ok(held is not None and held >= 2 * GiB - 64 * MiB, "processes",
                     f"the message's processes: {listed}")
         finally:
             holder.kill()
@@ -456,7 +493,7 @@ class Checks:
             return ip.run_cell(cell.format("")).result.outcome == "ok"
 
         lo, hi = 1, 4096
-        while hi - lo > 1:
+        while hi - lo > max(1, lo // 32):           # to 3%: each probe is a run of the cell
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         ip.run_cell(f"reset()\nbs = {2 * lo}")
@@ -466,10 +503,14 @@ class Checks:
         ip.run_cell(f"reset()\nbs = {final or 1}")
         ip.run_cell(cell.format(""))
         clean = ip.run_cell("fingerprint()").result
+        # cuDNN's convolutions and NLLLoss's backward use atomics on CUDA: two runs of the same step differ
+        # in the last bits, so the states are compared with a tolerance
         equal = after is not None and clean is not None and len(after) == len(clean) and all(
-            a.shape == b.shape and bool((a == b).all()) for a, b in zip(after, clean))
+            a.shape == b.shape and (bool(self.torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-5))
+                                    if a.is_floating_point() else bool((a == b).all())) for a, b in zip(after, clean))
         runs = len(rep.attempts)
-        self.ok(runs == 2 and final is not None and 0.85 * lo <= final <= lo and equal, "retry",
+        # lo fits and hi does not (to 3%): the value found fits, so it is below hi
+        self.ok(runs == 2 and final is not None and 0.85 * lo <= final < hi and equal, "retry",
                 f"-r from {2 * lo}: {runs} runs, bs={final} of the largest {lo} ({(final or 0) / lo:.1%}), "
                 f"state equal to one clean run: {equal}; why: {rep.attempts[-1].reason if rep.attempts else ''}")
         ip.run_cell("model = opt = data = None")
@@ -488,7 +529,7 @@ class Checks:
         torch.cuda.reset_peak_memory_stats(0)
         real = ip.run_cell("%%oomguard -q -o --no-raise\n" + TRAIN_CELL).result
         peak = real.peaks.get("cuda:0")
-        close = p is not None and peak and abs(p.peak - peak) <= 0.05 * peak
+        close = p is not None and peak and abs(p.peak - peak) <= 0.05 * peak + CUDNN_SLACK
         self.ok(before == after and close, "predict",
                 f"allocated/reserved before the prediction {before}, after {after}; predicted peak "
                 f"{getattr(p, 'peak', None)} against the real run's {peak} (complete: {getattr(p, 'complete', None)}, "
@@ -528,15 +569,113 @@ class Checks:
             with dev:
                 ip.run_cell("sim_opt = torch.optim.SGD(sim_model.parameters(), lr=0.05, momentum=0.9)\n" + cpu_cell)
             simulated = dev.peak_reserved
-            self.ok(real > 0 and abs(simulated - real) <= 0.05 * real, "allocator",
+            self.ok(real > 0 and abs(simulated - real) <= 0.05 * real + CUDNN_SLACK, "allocator",
                     f"bs={bs}: torch.cuda.max_memory_reserved rose {real} during the cell, the simulated allocator "
                     f"reserved {simulated} at its peak ({(simulated - real) / max(real, 1):+.1%})")
             ip.run_cell("del sim_model, sim_opt")
         ip.run_cell("model = opt = data = None")
 
 
-def _python(code: str, **env) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+#: what cuDNN may hold for its convolutions' workspaces beyond what a fake run or the simulated device has
+CUDNN_SLACK = 64 * MiB
+
+REPLAY = f'''
+SCRIPTS = {os.path.dirname(os.path.abspath(__file__))!r}
+import os, tempfile
+import torch
+from cuda_magic.devices.caching_allocator import CachingAllocatorModel
+torch.cuda.init()
+torch.cuda.memory._record_memory_history()            # torch's defaults
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    x = torch.randn(512, 512, device="cuda")
+    y = torch.randint(0, 10, (512,), device="cuda")
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+torch.cuda.synchronize()
+path = os.path.join(tempfile.mkdtemp(), "step.pickle")
+torch.cuda.memory._dump_snapshot(path)
+torch.cuda.memory._record_memory_history(enabled=None)
+import pickle, sys
+with open(path, "rb") as fh:
+    trace = pickle.load(fh)["device_traces"][0]
+sys.path.insert(0, SCRIPTS)
+from gpu_check import replay_segments
+real, got = replay_segments(trace, CachingAllocatorModel.from_environment(
+    torch.cuda.get_device_properties(0).total_memory))
+first = next((i for i, (a, b) in enumerate(zip(real, got)) if a != b), None)
+print("REPLAY", len(trace), "events,", len(real), "segment events real,", len(got), "replayed; equal",
+      real == got, "; first difference", first, real[first] if first is not None else "",
+      got[first] if first is not None else "")
+'''
+
+
+def replay_segments(trace, allocator) -> tuple[list, list]:
+    """(the trace's segment events, the allocator model's) for a recording that started with an empty
+    allocator: torch's snapshot trace (`device_traces[0]`: alloc with the block's size, free_completed when
+    the block is back in the cache, segment_alloc / segment_free with the segment's size) replayed through
+    `allocator` (a CachingAllocatorModel), each (action, size). A run of segment_free (empty_cache(), or the
+    out-of-memory path's release) is compared as a sorted run: the order torch walks its pools in is not
+    modelled."""
+    blocks, got = {}, []
+
+    def segments() -> dict:
+        return {seg["address"]: seg["total_size"] for seg in allocator.snapshot()}
+
+    def note(before: dict) -> None:
+        after = segments()
+        got.extend(("segment_free", size) for addr, size in sorted(before.items()) if addr not in after)
+        got.extend(("segment_alloc", size) for addr, size in sorted(after.items()) if addr not in before)
+
+    for e in trace:
+        action = e["action"]
+        if action == "alloc":
+            reserved, before = allocator.reserved, segments() if allocator.reserved else {}
+            blocks[e["addr"]] = allocator.malloc(e["size"])
+            if allocator.reserved != reserved or allocator.segments != len(before):
+                note(before)
+        elif action == "free_completed" and e["addr"] in blocks:
+            allocator.free(blocks.pop(e["addr"]))
+        elif action == "segment_free":
+            # torch.cuda.empty_cache() (or the out-of-memory path) in the recording: the model releases
+            # every cached segment at the first of the run; the rest find nothing more to release
+            before = segments()
+            allocator.empty_cache()
+            note(before)
+    real = [(e["action"], e["size"]) for e in trace if e["action"] in ("segment_alloc", "segment_free")]
+    return _sorted_runs(real), _sorted_runs(got)
+
+
+def _sorted_runs(events: list) -> list:
+    out, run = [], []
+    for event in events + [("end", 0)]:
+        if event[0] == "segment_free":
+            run.append(event)
+            continue
+        out.extend(sorted(run, key=lambda ev: ev[1]))
+        run = []
+        if event[0] != "end":
+            out.append(event)
+    return out
+
+
+def _expandable_off(torch) -> None:
+    """expandable_segments back off for what follows, the other settings kept, with the setter
+    enable_expandable_segments used (torch 2.10+ torch._C._accelerator_setAllocatorSettings, else
+    torch.cuda.memory._set_allocator_settings); cuda_magic's record of what it set follows."""
+    from cuda_magic.devices import allocator_conf
+
+    new = allocator_conf.merge_conf(allocator_conf.current_allocator_conf(), expandable_segments=False)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(new)
+    allocator_conf._set_here = new
+
+
+def _python(code: str, timeout: int = 240, **env) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **env, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
     return result.stdout + result.stderr
 

@@ -122,8 +122,10 @@ class AmdSmi:
         if hip_index not in self._indices:
             cuda = getattr(loaded_torch(), "cuda", None)
             helper = getattr(cuda, "_get_amdsmi_device_index", None)
-            # the helper reads torch's own `amdsmi` import: without it (_HAS_AMDSMI false) it cannot run
-            if helper is None or not getattr(cuda, "_HAS_AMDSMI", False):
+            # used by capability: torch 2.4 to 2.11 have the helper but flag their amdsmi import as
+            # _HAS_PYNVML (_HAS_AMDSMI is 2.13's), and their helper only reads HIP_VISIBLE_DEVICES; 2.13's
+            # also asks torch's own `amdsmi` import, which fails (NameError) where that import did
+            if helper is None:
                 self._indices[hip_index] = (hip_index, self._doubt(hip_index))
             else:
                 try:
@@ -131,6 +133,8 @@ class AmdSmi:
                 except (RuntimeError, self._amdsmi.AmdSmiException) as exc:
                     notes.append(f"which amdsmi GPU is cuda:{hip_index} is not known ({_reason(exc)})")
                     return None
+                except (NameError, AttributeError, ImportError, TypeError, ValueError):
+                    self._indices[hip_index] = (hip_index, self._doubt(hip_index))
         index, doubt = self._indices[hip_index]
         if doubt:
             notes.append(doubt)         # every reading says it, not only the first

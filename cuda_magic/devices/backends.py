@@ -102,14 +102,23 @@ def _cuda_records(initialized: bool, notes: list[str]) -> list:
     return nv
 
 
-def _this_process_share(info, initialized: bool) -> int | None:
-    """This process's bytes on the device by its process list; None where the list cannot say."""
+def _this_process_share(info, initialized: bool, reserved: int = 0, in_use: bool = False):
+    """(this process's bytes on the device by its process list, the pid the list names it by): None for
+    the bytes where the list cannot say (NVML's "not available" included: unknown, not 0; in a container,
+    where this process's entry cannot be told apart: devices/pids.py)."""
+    from cuda_magic.devices.pids import this_process_pid
+
     if info is None or not info.processes_known:
-        return None
+        return None, None
     if initialized and not info.processes:
-        return None        # an empty list once CUDA is in use here does not see this process
-    me = os.getpid()
-    return sum(u or 0 for pid, u in info.processes if pid == me)
+        return None, None  # an empty list once CUDA is in use here does not see this process
+    own, known = this_process_pid(info.processes, reserved, in_use)
+    if not known:
+        return None, None
+    used = [u for pid, u in info.processes if pid == own]
+    if any(u is None for u in used):
+        return None, own
+    return sum(used), own
 
 
 def _split_used(dev: DeviceMemory, used: int, this_proc: int | None, reserved: int, in_use: bool) -> None:
@@ -134,7 +143,6 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
     torch = loaded_torch()
     initialized = cuda_started()
     records = _cuda_records(initialized, notes)
-    me = os.getpid()
     devices, processes = [], []
     for i, info in enumerate(records):
         dnotes = list(info.notes) if info else []
@@ -143,7 +151,6 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
         name = info.name if info and info.name else None
         allocated = reserved = peak = 0
         in_use = False
-        this_proc = _this_process_share(info, initialized)
         if initialized:
             allocated = int(torch.cuda.memory_allocated(i))
             reserved = int(torch.cuda.memory_reserved(i))
@@ -154,6 +161,7 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
                 free, total = int(free_t), int(total_t)
             if name is None:
                 name = torch.cuda.get_device_name(i)
+        this_proc, own = _this_process_share(info, initialized, reserved, in_use)
         dev = DeviceMemory(key=f"cuda:{i}", name=name or f"GPU {i}", kind="cuda", capacity=total,
                            torch_allocated=allocated, torch_cached=reserved - allocated,
                            peak=peak if initialized else None, notes=dnotes)
@@ -170,7 +178,7 @@ def cuda_devices(notes: list[str]) -> tuple[list[DeviceMemory], list[ProcessMemo
             for pid, used_p in info.processes:
                 processes.append(ProcessMemory(device=dev.key, pid=pid, used=used_p,
                                                name=_process_name(info, pid), user=_user_of(pid),
-                                               this_process=pid == me))
+                                               this_process=pid == own))
     return devices, processes
 
 

@@ -48,7 +48,10 @@ comes from (the names are the same in all three unless said):
 - freeing (`free_block`, `try_merge_blocks`; `DeviceBlock::try_merge` in the newest): a freed block merges
   with free neighbours in its segment (mapped with mapped, unmapped with unmapped) and is cached.
 - reserving (`alloc_block`): a new segment of the allocation size is reserved when it fits in what the
-  device has left (here: `capacity - reserved`, as with a memory fraction: `set_fraction`).
+  device has left (here: `capacity - reserved`, as with a memory fraction: `set_fraction`). With a memory
+  fraction below the device (`device_total` set above `capacity`) and expandable segments, the whole
+  allocation size is checked against the fraction before any page is mapped, and the pages are then
+  mapped while the device has memory (so reserved can pass the fraction by up to one page).
 - the out-of-memory path (`malloc`): when no cached block fits and the segment cannot be reserved, the
   allocator first releases oversize cached blocks (`release_available_cached_blocks`, only where
   `max_split_size` is set: the smallest cached block of at least max(request, max_split_size), else the
@@ -314,6 +317,10 @@ class CachingAllocatorModel:
         self.peak_reserved = 0
         self.num_ooms = 0
         self.num_alloc_retries = 0
+        #: the device's whole memory where `capacity` is a memory fraction's limit below it (None: the
+        #: capacity is the device): expandable segments take address space for 1 1/8 of it and map pages
+        #: while it has room (`find_expandable_block`: prop.totalGlobalMem)
+        self.device_total: int | None = None
         self._segments = 0          # cudaMalloc'd segments and expandable segments alive
         self._active: set[Block] = set()     # the blocks handed out
         self._next_address = 1 << 40
@@ -602,8 +609,19 @@ class CachingAllocatorModel:
             self.peak_allocated = self.allocated
         return block
 
+    @property
+    def fraction_set(self) -> bool:
+        """Whether `capacity` is a memory fraction's limit below the device (`device_total`)."""
+        return self.device_total is not None and self.capacity < self.device_total
+
     def _alloc_block(self, pool: Pool, size: int, alloc_size: int, force: bool) -> Block | None:
         if self.expandable_segments:
+            # alloc_block checks a memory fraction against the whole allocation size before it maps any
+            # page (`set_fraction && total_allocated_memory + size > allowed_memory_maximum`, 2.2 to
+            # 2.13); the pages are then mapped while the device has memory, past the fraction by up to
+            # a page
+            if self.fraction_set and not force and self.reserved + alloc_size > self.capacity:
+                return None
             return self._try_allocate_expandable_block(pool, size, force)
         if not force and self.reserved + alloc_size > self.capacity:
             return None
@@ -693,8 +711,10 @@ class CachingAllocatorModel:
             if room >= size:
                 return c
         page = kSmallBuffer if pool.small else self.large_segment_size
-        total = self.capacity + self.capacity // 8        # address space for 1 1/8 of the device
-        span = max(1, -(-total // page)) * page
+        device = self.device_total if self.device_total is not None else self.capacity
+        total = device + device // 8                      # address space for 1 1/8 of the device
+        # a request past the device (forced: a fake run that goes on past the capacity) gets room for it
+        span = max(1, -(-max(total, size) // page)) * page
         segment = ExpandableSegment(self._new_address(span), page, span)
         candidate = Block(span, segment.base, pool, segment, mapped=False)
         pool.add(candidate)
@@ -719,7 +739,8 @@ class CachingAllocatorModel:
         begin = (block.ptr - segment.base) // page
         end = -(-(block.ptr + size - segment.base) // page)
         mapped = (end - begin) * page
-        if mapped == 0 or (not force and self.reserved + mapped > self.capacity):
+        device = self.device_total if self.fraction_set else self.capacity
+        if mapped == 0 or (not force and self.reserved + mapped > device):
             return False                      # cuMemCreate ran out: nothing is mapped
         pool = block.pool
         pool.remove(block)

@@ -16,7 +16,6 @@ peak it is about to lose to `peak_reset()`, so that a peak between two readings 
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -134,6 +133,13 @@ class GaugeReader:
         if record is None or not record.processes_known:
             self._other = None
         else:
-            me = os.getpid()
-            self._other = sum(used or 0 for pid, used in record.processes if pid != me)
+            from cuda_magic.devices.pids import others_total, this_process_pid
+            from cuda_magic.devices.probe import cuda_started
+
+            started = cuda_started()
+            reserved = self.meter.reserved() if started else 0
+            own, known = this_process_pid(record.processes, reserved, started)
+            # NVML's "not available" for a process is unknown, not 0; so is this process's entry in a
+            # container where it cannot be told apart (its host pid is not os.getpid())
+            self._other = others_total(record.processes, own) if known else None
         return self._other

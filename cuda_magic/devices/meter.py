@@ -48,6 +48,9 @@ class SimMeter(Meter):
             with self.device:
                 yield
         elif limit is not None:
+            # as on a GPU (CudaMeter.running): the cap is checked only when a segment is reserved or pages
+            # mapped, so what the cache holds from earlier cells is given back first
+            self.device.empty_cache()
             with self.device.limited(limit):
                 yield
         else:
@@ -147,7 +150,18 @@ class CudaMeter(Meter):
         cuda = self.torch.cuda
         getter = getattr(cuda, "get_per_process_memory_fraction", None)
         old = float(getter(self.index)) if getter is not None else _fractions_set.get(self.key)
+        if old is not None and old > 1.0:
+            # backend:cudaMallocAsync starts its limit at UINT64_MAX and its getter divides it by the
+            # device's memory (c10/cuda/CUDAMallocAsyncAllocator.cpp, lazy_init_device and
+            # getMemoryFraction, 2.6 to 2.13): about 2e8, which the setter refuses (torch/cuda/memory.py:
+            # "Allowed range: 0~1"). 1.0 puts the limit at the device's memory, the same as none.
+            old = 1.0
         fraction = min(1.0, limit / self.total())
+        # the native allocator checks its fraction only when it reserves a new segment (alloc_block in
+        # c10/cuda/CUDACachingAllocator.cpp, 2.2 to 2.13): a request its cache serves never runs out, so
+        # the cache goes first and the cap bounds everything PyTorch reserves (cudaMallocAsync counts
+        # what is allocated against its limit: emptying trims its pool, nothing more)
+        cuda.empty_cache()
         try:
             with _fraction_capped(self.key, lambda f: cuda.set_per_process_memory_fraction(f, self.index),
                                   fraction, old, 1.0):

@@ -192,6 +192,10 @@ class SimulatedDevice:
     #: the allocator of a device made without `allocator=` (`%gpumem --simulate`'s, `-l`'s without CUDA):
     #: "caching" (torch's caching allocator, as a GPU reserves) or "plain" (the storages' bytes)
     default_allocator = "caching"
+    #: bytes of the cuBLAS workspace a prediction for this device counts per thread that multiplies
+    #: matrices (fakerun/cuda_autocast.py, cublas_workspace_size); 0: none (the device's own runs never
+    #: take one)
+    cublas_workspace = 0
 
     def __init__(self, capacity: int, *, index: int = 0, name: str = "simulated GPU",
                  allocator: str | None = None, conf: str | None = None):
@@ -304,13 +308,21 @@ class SimulatedDevice:
 
     @contextmanager
     def limited(self, capacity: int):
-        """Lower the capacity for a block (the `-l` cap of `%%oomguard`); restored afterwards."""
+        """Lower the capacity for a block (the `-l` cap of `%%oomguard`); restored afterwards. The caching
+        allocator's model takes it as a memory fraction of the device: its expandable segments still span
+        the device, and the whole allocation size is checked against the cap before pages are mapped."""
         old = self.capacity
+        model = self.model
+        total = model.device_total if model is not None else None
+        if model is not None:
+            model.device_total = old
         self.capacity = min(old, int(capacity))
         try:
             yield self
         finally:
             self.capacity = old
+            if model is not None:
+                model.device_total = total
 
     def configure(self, conf: str) -> None:
         """Change this device's allocator settings now, as torch's setter does (options not named go back

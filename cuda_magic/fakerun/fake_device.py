@@ -46,7 +46,10 @@ class FakeDevice(SimulatedDevice):
             # the simulated device's allocator as it is now, block by block (its cache, its holes): the
             # fake copies take over their real storages' blocks, and what else it holds stays held
             self.model, self._real_blocks = template.copy_state()
+            # a cap below the device is a memory fraction: segments still span the device
+            device = self.model.device_total or template.capacity
             self.model.capacity = capacity if capacity else NEVER
+            self.model.device_total = device if capacity else None
             self.allocated = template.allocated
             self.fixed = 0
         elif self.model is not None and self.fixed:
@@ -121,6 +124,27 @@ class FakeDevice(SimulatedDevice):
             self.peak = max(self.peak, self.allocated)
             self._finalizers[key] = weakref.finalize(storage, self._release, key)
         return key
+
+    workspace = 0                        # bytes of one cuBLAS workspace (0: none counted)
+    workspaces_pending = False           # whether a thread's workspace is still to be counted (read per op)
+
+    def set_workspace(self, nbytes: int) -> None:
+        self.workspace = int(nbytes)
+        self.workspaces_pending = self.workspace > 0
+        self._workspaces: dict = {}
+
+    def take_workspace(self, thread: str) -> None:
+        """Count a cuBLAS workspace for `thread` ('forward', 'backward') once: allocated through the caching
+        allocator at the thread's first matrix product and kept for the process."""
+        if thread in self._workspaces or not self.workspace:
+            return
+        with self._lock:
+            block = self._take(self.workspace) if self.model is not None else None
+            counted = block.size if block is not None else self.workspace
+            self._workspaces[thread] = block
+            self.allocated += counted
+            self.peak = max(self.peak, self.allocated)
+        self.workspaces_pending = len(self._workspaces) < 2
 
     def start_peaks(self) -> None:
         """The peaks start from what is held when the run starts."""

@@ -117,6 +117,25 @@ class _LoopTicks:
 _RUN_MODE = None
 
 
+def _cublas_workspace(device, template) -> int:
+    """Bytes of one cuBLAS workspace on the device predicted: CUDA's for its compute capability (where
+    torch can say it), a simulated device's own `cublas_workspace` (0: none, its default)."""
+    if template is not None:
+        return int(getattr(template, "cublas_workspace", 0) or 0)
+    if getattr(device, "type", None) != "cuda" or getattr(__import__("torch").version, "hip", None):
+        return 0
+    import torch
+
+    from cuda_magic.devices.allocator_conf import installed_torch_version
+    from cuda_magic.devices.probe import cuda_started
+    from cuda_magic.fakerun.cuda_autocast import cublas_workspace_size
+
+    if not cuda_started():
+        return 0                       # the capability needs CUDA started; nothing is guessed
+    capability = torch.cuda.get_device_capability(device.index or 0)
+    return cublas_workspace_size(tuple(capability), installed_torch_version() or (2, 13))
+
+
 def _run_mode_class():
     """The one dispatch mode of a fake run, above torch's FakeTensorMode: the fake device's count
     (devices/simulated.py's mode, whose dispatch it extends) and the stand-in values, in one layer (each
@@ -142,6 +161,10 @@ def _run_mode_class():
 
     counting = counting_mode_class()
     count_dispatch = counting.__torch_dispatch__
+    aten = torch.ops.aten
+    matmuls = frozenset(getattr(aten, name) for name in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv",
+                                                          "addr", "_addmm_activation") if hasattr(aten, name))
+    current_node = torch._C._current_autograd_node
 
     class RunMode(counting):
         """Counts every op's fresh outputs on the fake device; `.item()` on a fake tensor gives a stand-in
@@ -194,6 +217,10 @@ def _run_mode_class():
                 if dtype is torch.bool:
                     return False
                 return 0.0 if (dtype.is_floating_point or dtype.is_complex) else 1
+            if self.device.workspaces_pending and func.overloadpacket in matmuls:
+                # cuBLAS's workspace, at a thread's first matrix product: the cell's thread, and
+                # autograd's device thread in a backward pass (fakerun/cuda_autocast.py)
+                self.device.take_workspace("backward" if current_node() is not None else "forward")
             cache = self.cache
             if cache is not None and cache.writes_first(func):
                 key = cache.in_place_key(func, args, kwargs)
@@ -307,6 +334,7 @@ class FakeRunner:
         fixed = max(0, self.real_allocated - copies.real_bytes(self.counts))
         device = FakeDevice(self.device, key=self.key, fixed=fixed, capacity=self.capacity,
                             allocator=self.allocator, conf=self.conf, template=self.template)
+        device.set_workspace(_cublas_workspace(self.device, self.template))
         tally = KindTally()
         copies.hold(device, self.counts)
         device.start_peaks()

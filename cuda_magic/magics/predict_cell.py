@@ -8,7 +8,8 @@ from IPython.core.error import UsageError
 
 def predict_cell(magics, args, cell: str):
     """Check the options, run the prediction, show it; the Prediction with -o, else None."""
-    from cuda_magic.devices.meter import autocast, capacity_of
+    from cuda_magic.devices.meter import capacity_of
+    from cuda_magic.fakerun.cuda_autocast import prediction_autocast
     from cuda_magic.display.show import show
     from cuda_magic.magics.cell import CompiledCell
     from cuda_magic.fakerun.fake_run import add_loop_ticks
@@ -31,7 +32,7 @@ def predict_cell(magics, args, cell: str):
                          "with cuda_magic.predict(...)")
     name = meter.device.name if meter.key.startswith("sim") else ""
     planner = Planner(meter, compiled, capacity=capacity, limited=limit is not None, bind=ns, namespace=ns,
-                      retry=retry, amp=args.amp, autocast=lambda: autocast(args.amp, meter),
+                      retry=retry, amp=args.amp, autocast=lambda: prediction_autocast(args.amp, meter),
                       cell_filename=compiled.filename, lines=tuple(compiled.lines), device_name=name)
     from IPython.utils.capture import capture_output
 

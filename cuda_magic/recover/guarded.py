@@ -358,6 +358,17 @@ class GuardedRun:
 
             self.note(f"the cap {format_bytes(limit)} is above the device's capacity ({format_bytes(capacity)}): "
                       "the capacity is the limit")
+        held = sum((d.torch_allocated or 0) for d in self.report.before if d.key == self.meter.key)
+        if (limit is not None and held and self.meter.key.startswith(("cuda", "sim"))
+                and not getattr(self.meter, "temporary", False)):
+            from cuda_magic.units import format_bytes
+
+            # with the report, not as it comes up: the run's own lines lead
+            self.report.warnings.append(
+                f"the cap {format_bytes(limit)} bounds everything PyTorch reserves on {self.meter.key}: the "
+                f"{format_bytes(held)} held before the run counts against it, and the allocator's cache was "
+                "emptied first (torch checks the cap only when it reserves memory, not when its cache serves "
+                "a request)")
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, self.options.filename)
 
