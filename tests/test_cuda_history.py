@@ -301,6 +301,25 @@ def test_an_oom_in_backward_on_autograds_thread_is_a_training_failure_at_the_bac
     assert next(u for u in box.by_line if u.code == NO_FRAMES_TEXT).filename == NO_FRAMES
 
 
+def test_an_oom_in_backward_on_the_runs_own_thread_is_a_backward_failure(history_module):
+    """Part of a backward pass runs on the calling thread (torch/autograd/__init__.py `backward` makes the
+    root's gradient with `_make_grads` there; the engine runs CPU nodes there): the observer, called on
+    that thread under torch.autograd.backward's frames, says backward as it does for the device thread."""
+    cell = "<cell-cuda-backward-here>"
+    allocator = FakeAllocator(64 * MiB)
+    namespace = {"allocator": allocator, "MiB": MiB}
+    exec(compile("def backward():\n    allocator.malloc(80 * MiB, [])\n", AUTOGRAD_FILE, "exec"), namespace)
+
+    def body():
+        allocator.malloc(10 * MiB, cell_frames(cell, 1))
+        exec(compile("backward()\n", cell, "exec"), namespace)      # cell line 1: loss.backward()
+
+    history, failed = guarded(history_module, allocator, body, cell=cell)
+    box = blackbox_from(history.stop(), device="cuda:0", capacity=64 * MiB)
+    assert failed is not None and box.failure.requested == 80 * MiB
+    assert box.failure.phase == "backward" and box.failure.grad_enabled is True
+
+
 def test_a_snapshot_whose_blocks_disagree_with_the_trace_is_believed(history_module):
     """A large block that was not split keeps more than the request (the trace says 1.5 MiB asked; the
     block is 2.5 MiB) and a block made before the run is in no entry: the live blocks are the truth."""

@@ -130,7 +130,10 @@ def _on_oom(device, alloc, device_total, device_free) -> None:
         return
     try:
         if threading.get_ident() == history.thread:
-            seen = OomSeen(time.time() * 1e6, grad_mode(), "run")
+            # the run's own thread can be in a backward pass too (torch.autograd.backward's _make_grads, a
+            # CPU part of the graph, a backward the engine runs here): its Python frames say so
+            backward = in_backward(frames_of(sys._getframe()))
+            seen = OomSeen(time.time() * 1e6, True if backward else grad_mode(), "backward" if backward else "run")
         else:
             run_frames = frames_of(sys._current_frames().get(history.thread))
             backward = in_backward(run_frames)
