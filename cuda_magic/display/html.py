@@ -291,7 +291,9 @@ def rich(text: str) -> str:
 def guard_title_html(report, running: bool = False, trying=None) -> str:
     mark = "rgba(128,128,128,.6)" if running else OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome,
                                                                                     "currentColor")
-    words = value_words(report) if not running or not trying else None
+    # while the cell runs the headline names the attempt running now and its value: the value line (the
+    # original value until the run ends) would contradict it
+    words = value_words(report) if not running else None
     limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
     sub = f'<div>{escape(words)}</div>' if words else ""
     why = value_reason(report)
