@@ -88,7 +88,13 @@ def sparkline(values: list[int], width: int = 60, top: int | None = None) -> str
 
 WIDTH = 640                             # the viewBox's width; the chart scales down to its container's
 FONT = 12                               # viewBox units: at 400 px wide still 7.5 px
-CHAR = 6.8                              # a character's width at FONT, roughly (the legend's wrapping)
+CHAR = 7.4                              # a character's width at FONT, at most for most text (the legend's
+                                        # wrapping: at 6.8 a long legend ran 1 px past the chart's edge)
+# The style of the element an <svg> goes in. A sanitiser that drops SVG (JupyterLab's for an untrusted
+# notebook keeps no <svg>, <text> or <foreignObject> but keeps their text) would leave the labels run
+# together ("064 MiB128 MiB"): at font size 0 they take no room, and the chart's text line (`caption`),
+# inside a <foreignObject> of no size where the SVG renders, is what stays, in its own font size.
+BOX_STYLE = "font-size:0;line-height:0"
 AXIS = "#888888"                        # 3:1 and more on white and on a dark theme's #111
 GRID = "rgba(128,128,128,.22)"
 BYTE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
@@ -279,8 +285,25 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
         else:
             out.append(f'<circle cx="{lx + 8}" cy="{ly - 4}" r="4" fill="{color}"/>')
         out.append(f'<text x="{lx + 22}" y="{ly}" fill="currentColor">{escape(label)}</text>')
+    out.append(f'<foreignObject x="0" y="0" width="0" height="0"><div '
+               f'class="cuda-magic-chart-text" style="font-size:12.5px;line-height:1.45;margin:2px 0 6px 0">'
+               f'{escape(caption(chart))}</div></foreignObject>')
     out.append("</svg>")
     return "".join(out)
+
+
+def caption(chart: Chart) -> str:
+    """The chart in one line of words, for where the SVG is not drawn: each line's highest value and each
+    marker's label (a point with its x)."""
+    parts = [chart.title] if chart.title else []
+    unit = chart.x_label or ""
+    for s in chart.series:
+        if s.points:
+            parts.append(f"{s.label}: up to {compact_bytes(max(y for _, y in s.points))}")
+    for m in chart.markers:
+        at = f" at {_num(m.x, 2)}{' ' + unit if unit else ''}" if m.x is not None and unit else ""
+        parts.append(m.label + at)
+    return "Chart: " + "; ".join(parts) if parts else ""
 
 
 def _marker(m: Marker, pinned: bool, px, py, plot: tuple, pin_y: float) -> list[str]:

@@ -17,6 +17,17 @@ COLORS = {
     "free": "rgba(128,128,128,.22)",   # a translucent grey: the background's own part, no glare in dark
     UNKNOWN: "#8c8c8c",                # mid grey: the backend does not say
 }
+# PyTorch's tensors by kind (memory/kinds.py): the same colour for a kind in every view (%gpumem's by-kind
+# bar, a report's "at the failure", --predict's "at the peak"); marks like COLORS, none shared with it
+KIND_COLORS = {
+    "parameters": "#1a9494",       # teal
+    "gradients": "#b58900",        # gold
+    "optimizer_state": "#c2459b",  # magenta
+    "activations": "#a0703c",      # brown
+    "other": "#6f8796",            # slate
+    "in_failing_op": "#e05a6a",    # coral
+    "unseen": "#909080",           # khaki grey
+}
 PEAK_COLOR = "#6a5acd"                 # slate blue: a peak, in bars, gauges and charts
 FAIL_COLOR = "#d93a3a"                 # red: the failing request and the attempts that ran out of memory
 CAP_COLOR = "currentColor"             # the capacity or cap line: the text's own colour

@@ -17,7 +17,7 @@ from cuda_magic.display.layout import KIND_BAR_WIDTH, approximate_note, kind_seg
 from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.display import answer as A
-from cuda_magic.display.blackbox_view import timeline_text
+from cuda_magic.display.blackbox_view import by_line_text, by_line_title, rows_shown, timeline_text
 from cuda_magic.display.elements import shorten, table, wrap_items
 from cuda_magic.units import format_bytes, format_duration
 
@@ -228,8 +228,11 @@ def guard_text(report, running: bool = False, *, full: bool = False, trying=None
     if why:
         lines += _wrap(why, 100, subsequent_indent="  ")
     lines += _failure_text(report)
-    if report.show_blackbox and len(report.blackbox.by_line) > A.TOP_LINES:
-        lines.append(timeline_text(report.blackbox))
+    bb = report.blackbox if report.show_blackbox else None
+    shown = len(rows_shown(bb, A.TOP_LINES)[0]) if bb is not None else 0
+    if shown and shown < len(bb.by_line):          # the lines the answer's table left out, not it again
+        lines.append(f"{by_line_title(bb)}, after the first {shown}")
+        lines += by_line_text(bb, start=shown)
     lines += _diagnosis_text(report)
     if report.show_reclaimed:
         lines.append(reclaimed_words(report))
