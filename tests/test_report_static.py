@@ -120,3 +120,35 @@ def test_the_gauge_figures_can_wrap_between_them():
 
     html = gauge_html(Reading())
     assert re.search(r"</span> <span", html) and "</span><span" not in html
+
+
+def test_a_line_says_predict_runs_past_a_second_and_the_prediction_takes_its_place(tip, monkeypatch):
+    from IPython.utils.capture import capture_output
+
+    import cuda_magic.display.gauge as gauge
+
+    monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "html")
+    monkeypatch.setattr(gauge, "gauge_possible", lambda: True)      # as in a notebook's kernel
+    run_ok(tip, "%gpumem --simulate 256MiB -q")
+    with capture_output() as cap:
+        tip.run_cell("%%oomguard --predict\nimport time\nt = torch.zeros(2**20)\ntime.sleep(1.6)")
+    first, *rest = cap.outputs
+    assert first.data["text/plain"].startswith("%%oomguard --predict: predicting the cell's memory")
+    assert not first.update and first.transient["display_id"]
+    last = cap.outputs[-1]
+    assert last.update and last.transient == first.transient           # the line's place, not a new output
+    assert "cuda-magic-waiting" not in last.data["text/html"] and "4.00 MiB" in last.data["text/plain"]
+    assert len(cap.outputs) >= 2 and all(o.transient == first.transient for o in rest)
+
+
+def test_a_short_prediction_shows_no_line(tip, monkeypatch):
+    from IPython.utils.capture import capture_output
+
+    import cuda_magic.display.gauge as gauge
+
+    monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "html")
+    monkeypatch.setattr(gauge, "gauge_possible", lambda: True)
+    run_ok(tip, "%gpumem --simulate 256MiB -q")
+    with capture_output() as cap:
+        tip.run_cell("%%oomguard --predict\nt = torch.zeros(2**20)")
+    assert len(cap.outputs) == 1 and "cuda-magic-waiting" not in cap.outputs[0].data["text/html"]
