@@ -93,7 +93,8 @@ CHAR = 7.4                              # a character's width at FONT, at most f
 # The style of the element an <svg> goes in. A sanitiser that drops SVG (JupyterLab's for an untrusted
 # notebook keeps no <svg>, <text> or <foreignObject> but keeps their text) would leave the labels run
 # together ("064 MiB128 MiB"): at font size 0 they take no room, and the chart's text line (`caption`),
-# inside a <foreignObject> of no size where the SVG renders, is what stays, in its own font size.
+# inside a <foreignObject> that is not drawn where the SVG renders (display none), is what stays, in its own
+# font size.
 BOX_STYLE = "font-size:0;line-height:0"
 AXIS = "#888888"                        # 3:1 and more on white and on a dark theme's #111
 GRID = "rgba(128,128,128,.22)"
@@ -285,7 +286,7 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
         else:
             out.append(f'<circle cx="{lx + 8}" cy="{ly - 4}" r="4" fill="{color}"/>')
         out.append(f'<text x="{lx + 22}" y="{ly}" fill="currentColor">{escape(label)}</text>')
-    out.append(f'<foreignObject x="0" y="0" width="0" height="0"><div '
+    out.append(f'<foreignObject x="0" y="0" width="0" height="0" display="none"><div '
                f'class="cuda-magic-chart-text" style="font-size:12.5px;line-height:1.45;margin:2px 0 6px 0">'
                f'{escape(caption(chart))}</div></foreignObject>')
     out.append("</svg>")
