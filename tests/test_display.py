@@ -449,7 +449,8 @@ def test_live_widget_follows_a_retry_set_after_it_was_built(shell, monkeypatch):
     handle.add_attempt(fitted)
     handle.try_value(16)
     title = handle.widget.title.value
-    assert "attempt 2 at batch_size = 16" in title and "attempt 3" not in title
+    # issue 37: with the row that says 16 fitted, the header says so, not that attempt 2 still runs
+    assert "attempt 2 fitted at batch_size=16, keeping it" in title and "attempt 3" not in title
 
 
 def test_watch_widget_rows():

@@ -46,8 +46,6 @@ def finished_trying(report, attempt, trying):
     """What the header says is tried once `attempt` ended: in a retry, its value until the next value is
     set (answer.headline then says the attempt ended and the next value is being chosen); the first
     attempt runs at the cell's own value without a try_value before it."""
-    if attempt.outcome == "ok" and not attempt.probe:
-        return trying
     if report.variable and attempt.value is not None and (trying is None or trying[0] != attempt.value):
         return (attempt.value, trying[1] if trying and trying[0] == attempt.value else None)
     return trying
@@ -214,10 +212,9 @@ class GuardWidget(RecordWidget):
         self.trying = finished_trying(self.current(), attempt, self.trying)
         current = self.current()
         # the header with the table, in the same update: "attempt N ran out at <value>, choosing the next
-        # value" until the next attempt starts (try_value), never the attempt that just ended as running;
-        # an attempt that fitted ends the run: the report follows at once
-        if attempt.outcome != "ok" or attempt.probe:
-            self._show(self.title, H.guard_title_html(current, self.running, self.trying))
+        # value" (or, where it fitted, "keeping it") until the next attempt starts (try_value), never the
+        # attempt that just ended as running
+        self._show(self.title, H.guard_title_html(current, self.running, self.trying))
         self._show(self.attempts, H.attempts_html(current))
 
     def try_value(self, value, accumulate=None, report=None) -> None:
