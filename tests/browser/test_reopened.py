@@ -217,3 +217,42 @@ def test_a_saved_report_reopened_in_the_classic_notebook_reads(saved):
         svg_drawn = page.locator(f"{classic.OUTPUT} svg.cuda-magic-chart").count() > 0
         check_reads(page, classic.OUTPUT, svg_drawn=svg_drawn)
         classic.save_full_screenshot(page, artifact("reopened-classic-1000px.png"))
+
+
+GAUGE_CELLS = [
+    "%load_ext cuda_magic\nimport torch\n%gpumem --simulate 25GiB -q",
+    "%%oomguard\nx = torch.zeros(2**20)\nimport time\ntime.sleep(6)",
+]
+
+GAUGE_FITS_JS = """
+(sel) => {
+  const gauge = [...document.querySelectorAll(sel + ' .cuda-magic-gauge')].find(g => g.getBoundingClientRect().width > 0);
+  if (!gauge) return null;
+  const area = gauge.closest(sel).getBoundingClientRect();
+  const past = [...gauge.querySelectorAll('*')].filter(el => el.getBoundingClientRect().right > area.right + 1)
+    .map(el => el.className + ' ' + el.textContent.slice(0, 30));
+  const lines = new Set([...gauge.querySelectorAll('b[class^="cuda-magic-gauge-"]')]
+    .map(b => Math.round(b.getBoundingClientRect().top))).size;
+  return {past, lines, text: gauge.innerText};
+}
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="jupyterlab not installed")
+def test_the_live_gauge_wraps_in_a_narrow_output(tmp_path):
+    # issue 37: at 1000 px with the file browser open, "capacity 25..." was clipped and the widget's bar ran
+    # off the edge (its figures joined without spaces could not wrap)
+    import nbformat
+
+    path = tmp_path / "gauge.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in GAUGE_CELLS]), path)
+    with lab.server(path) as server, open_browser(viewport=(700, 900)) as page:
+        lab.start_all_cells(page, server.notebook_url(path.name))
+        page.wait_for_selector(f"{lab.OUTPUT} .cuda-magic-gauge", timeout=120_000)
+        page.wait_for_timeout(500)
+        seen = page.evaluate(GAUGE_FITS_JS, lab.OUTPUT)
+        lab.save_element_screenshot(page.locator(f"{lab.OUTPUT} .cuda-magic-gauge").first,
+                                    artifact("gauge-narrow.png"))
+        lab.wait_until_finished(page)
+    assert seen is not None and seen["past"] == [], seen
+    assert seen["lines"] >= 2 and "capacity 25.00 GiB" in seen["text"], seen      # wrapped, whole
