@@ -14,7 +14,8 @@ from test_display import guard_report
 
 from cuda_magic.display import html as H
 from cuda_magic.display import text as T
-from cuda_magic.display.chart import BOX_STYLE, CHAR, Chart, Marker, Series, _legend, svg
+from cuda_magic.display.elements import CHART_BOX as BOX_STYLE
+from cuda_magic.display.chart import CHAR, Chart, Marker, Series, _legend, svg
 from cuda_magic.oom.findings import Advice
 
 MiB = 2**20

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from html import escape
 
-from cuda_magic.display.chart import BOX_STYLE, Chart, Marker, Series, sparkline, svg
-from cuda_magic.display.elements import CAP_COLOR, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box, html_table
+from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
+from cuda_magic.display.elements import (CAP_COLOR, CHART_BOX, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box,
+                                         html_table)
 from cuda_magic.display.elements import shorten, table
 from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
@@ -166,7 +167,7 @@ def by_line_html(tl, rows: int = MAX_LINES, start: int = 0) -> str:
 
 def timeline_html(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
     out = [f'<div style="margin-top:6px"><b>Black box:</b> <span style="{MUTED}">{escape(headline(tl))}</span></div>',
-           f'<div class="cuda-magic-timeline" style="{BOX_STYLE}">{timeline_chart(tl)}</div>']
+           f'<div class="cuda-magic-timeline" style="{CHART_BOX}">{timeline_chart(tl)}</div>']
     if tl.by_line:
         out.append(f"<div><b>{escape(by_line_title(tl))}</b></div>")
         out.append(by_line_html(tl, rows))

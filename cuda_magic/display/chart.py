@@ -90,12 +90,6 @@ WIDTH = 640                             # the viewBox's width; the chart scales 
 FONT = 12                               # viewBox units: at 400 px wide still 7.5 px
 CHAR = 7.4                              # a character's width at FONT, at most for most text (the legend's
                                         # wrapping: at 6.8 a long legend ran 1 px past the chart's edge)
-# The style of the element an <svg> goes in. A sanitiser that drops SVG (JupyterLab's for an untrusted
-# notebook keeps no <svg>, <text> or <foreignObject> but keeps their text) would leave the labels run
-# together ("064 MiB128 MiB"): at font size 0 they take no room, and the chart's text line (`caption`),
-# inside a <foreignObject> that is not drawn where the SVG renders (display none), is what stays, in its own
-# font size.
-BOX_STYLE = "font-size:0;line-height:0"
 AXIS = "#888888"                        # 3:1 and more on white and on a dark theme's #111
 GRID = "rgba(128,128,128,.22)"
 BYTE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))

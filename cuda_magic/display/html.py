@@ -10,11 +10,10 @@ from html import escape
 
 from cuda_magic.devices.readings import PARTS
 from cuda_magic.display import answer as A
-from cuda_magic.display.chart import BOX_STYLE
 from cuda_magic.display.blackbox_view import blackbox_html as box_html, by_line_html, by_line_title, timeline_html
 from cuda_magic.display.blackbox_view import rows_shown
-from cuda_magic.display.elements import (BAR, CODE, COLORS, KIND_COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box,
-                                         html_table)
+from cuda_magic.display.elements import (BAR, CHART_BOX, CODE, COLORS, KIND_COLORS, MUTED, OUTCOME_COLORS,
+                                         PEAK_COLOR, box, html_table)
 from cuda_magic.display.layout import approximate_note, kind_segments, shown_kinds
 from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
@@ -409,7 +408,7 @@ def history_html(records, chart: str = "") -> str:
     table = html_table(["cell", "device", "allocated change", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
     note = approximate_note(records)
     approx = f'<div style="{MUTED}">{escape(note)}</div>' if note else ""
-    chart = f'<div class="cuda-magic-history-chart" style="{BOX_STYLE}">{chart}</div>' if chart else ""
+    chart = f'<div class="cuda-magic-history-chart" style="{CHART_BOX}">{chart}</div>' if chart else ""
     return box(chart + table + approx, "cuda-magic-watch")
 
 

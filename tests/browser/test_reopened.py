@@ -226,7 +226,8 @@ GAUGE_CELLS = [
 
 GAUGE_FITS_JS = """
 (sel) => {
-  const gauge = [...document.querySelectorAll(sel + ' .cuda-magic-gauge')].find(g => g.getBoundingClientRect().width > 0);
+  const gauge = [...document.querySelectorAll(sel + ' .cuda-magic-gauge')]
+    .find(g => g.getBoundingClientRect().width > 0);
   if (!gauge) return null;
   const area = gauge.closest(sel).getBoundingClientRect();
   const past = [...gauge.querySelectorAll('*')].filter(el => el.getBoundingClientRect().right > area.right + 1)
