@@ -153,3 +153,28 @@ def test_a_short_prediction_shows_no_line(tip, monkeypatch):
     with capture_output() as cap:
         tip.run_cell("%%oomguard --predict\nt = torch.zeros(2**20)")
     assert len(cap.outputs) == 1 and "cuda-magic-waiting" not in cap.outputs[0].data["text/html"]
+
+
+def test_the_html_header_names_the_attempt_running_now_not_the_old_value(monkeypatch):
+    # issue 37: the HTML form said "attempt 2" over "batch_size = 64" (the value that had run out) while the
+    # retry measured the model and chose the next value
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    from cuda_magic.display.show import show_guard
+    from cuda_magic.recover.report import GuardReport, Retry
+
+    get_ipython()
+    monkeypatch.setenv("CUDA_MAGIC_DISPLAY", "html")
+    report = GuardReport(device="cuda:0", retry=Retry("batch_size", 64))
+    first = guard_report().attempts[0]                                  # 64 ran out of memory
+    with capture_output() as cap:
+        handle = show_guard(report)
+        report.attempts.append(first)
+        handle.add_attempt(first)
+        between = cap.outputs[-1].data
+        handle.try_value(16)
+        trying = cap.outputs[-1].data
+    assert "attempt 1 ran out of memory at batch_size=64, choosing the next value" in between["text/html"]
+    assert "batch_size = 64" not in between["text/html"] and "batch_size = 64" not in between["text/plain"]
+    assert "attempt 2 at batch_size = 16" in trying["text/html"] and "batch_size = 64<" not in trying["text/html"]

@@ -197,7 +197,9 @@ def guard_text(report, running: bool = False, *, full: bool = False, trying=None
         if report.limit is not None:
             lines.append(f"limit: {format_bytes(report.limit)}")
         lines += guard_devices_text(report)
-        lines += _attempts_text(report) + _value_text(report, running)
+        # while the cell runs the headline names the attempt running now and its value; the value line
+        # (the original value until the run ends) would contradict it (issue 37)
+        lines += _attempts_text(report) + ([] if running else _value_text(report, running))
         lines += _notes_text(report)
         if report.show_blackbox and not running:
             lines.append(timeline_text(report.blackbox))
