@@ -71,8 +71,8 @@ def test_the_chart_degrades_to_a_line_of_words_where_svg_is_dropped(failed):
     assert boxes == [BOX_STYLE] and "font-size:0" in BOX_STYLE   # stripped labels take no room
     svg_text = re.search(r"<svg.*?</svg>", html).group(0)
     root = ET.fromstring(svg_text)
-    fo = root.find(f"{NS}foreignObject")
-    assert fo is not None and fo.get("display") == "none"       # not drawn with the SVG
+    fo = root.find(f"{NS}desc")                                  # never drawn with the SVG
+    assert fo is not None and root[0] is fo
     line = "".join(fo.itertext())
     assert "font-size:12.5px" in fo.find(f"{NS}div").get("style")
     assert line.startswith("Chart: allocated: up to ") and "capacity 64.00 MiB" in line

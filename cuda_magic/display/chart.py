@@ -228,6 +228,10 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
            f'preserveAspectRatio="xMinYMin meet" role="img" class="cuda-magic-chart" '
            f'style="display:block;max-width:{width}px;width:100%;height:auto;'
            f'font-family:system-ui,-apple-system,\'Segoe UI\',sans-serif;font-size:{FONT}px">']
+    # the chart in words (elements.CHART_BOX): an SVG <desc> is never drawn, and an HTML element inside it
+    # (an HTML integration point) is what a sanitiser that drops SVG keeps, in its own font size
+    out.append(f'<desc><div class="cuda-magic-chart-text" style="font-size:12.5px;line-height:1.45;'
+               f'margin:2px 0 6px 0">{escape(caption(chart))}</div></desc>')
     if chart.title:
         out.append(f'<text x="{left}" y="15" font-weight="600" fill="currentColor">{escape(chart.title)}</text>')
     unit = axis_unit(ticks_y)
@@ -280,9 +284,6 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
         else:
             out.append(f'<circle cx="{lx + 8}" cy="{ly - 4}" r="4" fill="{color}"/>')
         out.append(f'<text x="{lx + 22}" y="{ly}" fill="currentColor">{escape(label)}</text>')
-    out.append(f'<foreignObject x="0" y="0" width="0" height="0" display="none"><div '
-               f'class="cuda-magic-chart-text" style="font-size:12.5px;line-height:1.45;margin:2px 0 6px 0">'
-               f'{escape(caption(chart))}</div></foreignObject>')
     out.append("</svg>")
     return "".join(out)
 

@@ -51,10 +51,9 @@ CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;backgr
         "padding:1px 5px;border-radius:3px")
 MUTED = "opacity:.72"
 # The style of the element an <svg> goes in. A sanitiser that drops SVG (JupyterLab's for an untrusted
-# notebook keeps no <svg>, <text> or <foreignObject> but keeps their text) would leave the labels run
+# notebook keeps no <svg>, <text> or <desc> but keeps their text) would leave the labels run
 # together ("064 MiB128 MiB"): at font size 0 they take no room, and the chart's text line (chart.caption),
-# inside a <foreignObject> that is not drawn where the SVG renders (display none), is what stays, in its own
-# font size.
+# inside the SVG's <desc> (never drawn where the SVG renders), is what stays, in its own font size.
 CHART_BOX = "font-size:0;line-height:0"
 
 
