@@ -156,3 +156,40 @@ blind()
     assert mip.user_ns["blind"].last_report.blackbox is None
     with pytest.raises(ValueError, match="exact=True needs accumulate="):
         mip.user_ns["oomguard"](retry="n", exact=True)
+
+
+def test_a_retry_reports_one_peak_its_attempts_own_at_its_real_time(mip):
+    # issue 37: the measuring between attempts (the model run on slices of its batch, while the recorder is
+    # paused) raised the recorded peak and stamped it at 0 s: the chart said 47.23 MiB at 0 s where its
+    # line was at 16 MiB, the attempts table 41.39 MiB. The run's peak is an attempt's, where its trace is.
+    report = mip.run_cell(f"%%oomguard -l 48MiB -r batch -o\n{STEP}").result
+    assert report.outcome == "recovered" and len(report.attempts) >= 2
+    bb = report.blackbox
+    traces = {}
+    for seconds, allocated, attempt, _ in bb.points:
+        traces.setdefault(attempt, []).append((seconds, allocated))
+    top = max(a for pts in traces.values() for _, a in pts)
+    assert bb.peak == top                                     # the chart's peak dot is on its own line
+    at = [s for s, a in traces[bb.peak_attempt] if a == bb.peak]
+    assert bb.peak_seconds in at and bb.peak_seconds > 0
+    assert bb.peak_attempt < len(report.attempts)
+
+
+def test_the_recorder_keeps_the_measurings_peak_apart_at_its_real_time():
+    from cuda_magic.devices.recorder import Recorder
+
+    now = [0.0]
+    rec = Recorder(clock=lambda: now[0])
+    rec.begin_attempt(0)
+    now[0] = 1.0
+    rec.alloc(1, 10 * MiB, 10 * MiB)
+    rec.free(1, 0)
+    rec.pause()                                               # the measuring between attempts
+    now[0] = 2.0
+    rec.alloc(2, 30 * MiB, 30 * MiB)
+    rec.free(2, 0)
+    rec.begin_attempt(1)
+    now[0] = 3.0
+    rec.alloc(3, 20 * MiB, 20 * MiB)
+    assert (rec.peak, rec.peak_seconds, rec.peak_attempt) == (20 * MiB, 3.0, 1)
+    assert (rec.between_peak, rec.between_peak_seconds) == (30 * MiB, 2.0)

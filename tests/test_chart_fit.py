@@ -356,3 +356,18 @@ def test_figure_cells_do_not_wrap():
     figures = [style for style, value in cells if re.search(r"\d", value)]
     assert figures and all("white-space:nowrap" in style for style in figures if "text-align:right" in style)
     assert "white-space:nowrap" in E.NUM
+
+
+def test_one_colour_per_kind_in_every_view():
+    # issue 37: --predict's bar coloured parameters in the "allocated" blue, unlike %gpumem's by-kind bar
+    from cuda_magic.display import prediction_view as PV
+    from cuda_magic.fakerun.fake_device import KINDS
+    from cuda_magic.memory.kinds import KIND_LABELS
+
+    assert set(H.KIND_COLORS) == set(KIND_LABELS)
+    assert set(PV.KIND_COLORS) == set(KINDS)
+    same = {"parameters": "parameters", "gradients": "gradients", "optimizer state": "optimizer_state",
+            "activations": "activations", "the rest": "other"}
+    for kind, color in PV.KIND_COLORS.items():
+        assert color == H.KIND_COLORS[same[kind]], kind
+    assert not set(PV.KIND_COLORS.values()) & set(E.COLORS.values())     # no bar part's colour for a kind

@@ -46,17 +46,18 @@ def test_demo_runs_without_errors_in_time(executed):
     assert seconds < 180, f"the demo took {seconds:.0f} s; it must run in under 3 minutes"
 
 
-def test_demo_shows_widgets_with_text_and_html_forms(executed):
+def test_demo_leaves_static_html_and_text_not_widgets(executed):
+    # issue 37: what the demo leaves needs no widget state (JupyterLab does not save it: reopened, a widget
+    # output reads "Error displaying widget: model not found"); each display has its HTML and its text twin
     nb, _ = executed
     bundles = [o.data for c in nb.cells if c.cell_type == "code" for o in c.outputs
-               if o.output_type == "display_data" and WIDGET in o.data]
+               if o.output_type == "display_data"]
     assert len(bundles) >= 5
+    assert not [b for b in bundles if WIDGET in b]
     for data in bundles:
-        assert "text/plain" in data and "text/html" in data
-    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    assert state, "the widget state is saved in the executed notebook"
-    model_ids = {b[WIDGET]["model_id"] for b in bundles}
-    assert model_ids <= set(state)
+        if "text/html" in data:
+            assert data.get("text/plain", "").strip()
+    assert sum("cuda-magic" in b.get("text/html", "") for b in bundles) >= 5
 
 
 def test_demo_explains_the_oom_and_reclaims_memory(executed):

@@ -84,7 +84,9 @@ def test_the_saved_output_follows_the_first_reading_then_every_save_every_second
     first, last = handle.bundles
     assert last["text/html"] == w.value and "allocated 30.00 MiB" in last["text/plain"]
     assert first["text/html"] != last["text/html"]
-    assert all("application/vnd.jupyter.widget-view+json" in b for b in handle.bundles)
+    # while on, the output is the widget; the last state (--live off) static HTML and text (issue 37)
+    assert "application/vnd.jupyter.widget-view+json" in first
+    assert "application/vnd.jupyter.widget-view+json" not in last and w.comm is None
 
     view.SAVE_EVERY, handle.bundles = 0.0, []                          # an hour later: each reading saves
     view.show(GaugeReader(SimMeter(dev)).read())
@@ -182,7 +184,9 @@ def test_gpumem_live_updates_across_cells_in_a_kernel_and_off_joins_its_thread()
                         "%gpumem --live", ALLOCATE, "time.sleep(0.5)", LIVE_VALUE, THREADS, "%gpumem --live off",
                         THREADS, "%gpumem --live\n%unload_ext cuda_magic", THREADS])
     shown = [o for o in nb.cells[2].outputs if o.get("output_type") == "display_data"]
-    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" in shown[0]["data"]
+    # the output a saved notebook keeps: the last state as static HTML and text once `--live off` ran
+    assert len(shown) == 1 and set(shown[0]["data"]) == {"text/html", "text/plain"}
+    assert "cuda-magic-gauge" in shown[0]["data"]["text/html"]
     # the widget the `--live` cell shows, as the gauge's thread left it after later cells ran (what the
     # frontend receives of it, through the widget's comm, the browser test checks)
     state = printed(nb.cells[5])
@@ -301,7 +305,7 @@ def test_a_saved_live_gauge_carries_its_last_reading_as_html_and_text():
              and o["data"].get("text/plain", "").startswith("[live]")]
     assert len(gauge) == 1
     data = gauge[0]["data"]
-    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "application/vnd.jupyter.widget-view+json" not in data      # static: no widget state needed
     last = printed(nb.cells[7]).strip()
     assert data["text/html"] == last                      # the last reading drawn, not a placeholder
     assert re.search(r"cuda-magic-gauge-allocated\">([^<]*)<", last).group(1) == "0 B"     # `keep` went

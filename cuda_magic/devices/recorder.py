@@ -139,6 +139,8 @@ class Recorder:
         self.peak_seconds = 0.0
         self.peak_attempt = 0
         self.peak_by_site: dict[int, tuple[int, int]] = {}
+        self.between_peak = 0                           # the highest allocated while paused (measuring)
+        self.between_peak_seconds = 0.0
         self._peak_stale = False
         self.failures: list[RecordedFailure] = []
         self.notes: list[str] = []
@@ -265,9 +267,15 @@ class Recorder:
             agg[1] += 1
         self.allocated = allocated
         self._append(ALLOC, nbytes, site, seconds)
-        if allocated > self.peak:
+        if not self.recording:
+            # between attempts (a retry measuring the model on slices of its batch): not the run's peak,
+            # which is one of its attempts' (one figure per fact); the measuring's own, at its real time
+            if allocated > self.between_peak:
+                self.between_peak = allocated
+                self.between_peak_seconds = self.clock() - self.t0 if seconds is None else seconds
+        elif allocated > self.peak:
             self.peak = allocated
-            self.peak_seconds = self.events[-1][0] if self.recording and self.events else 0.0
+            self.peak_seconds = self.events[-1][0] if self.events else self.clock() - self.t0
             self.peak_attempt = self.attempt
             self._peak_stale = True
 
@@ -297,8 +305,9 @@ class Recorder:
             self._take_peak()
         self.allocated = allocated
         self._append(RESIZE, nbytes - old, site)
-        if allocated > self.peak:
+        if self.recording and allocated > self.peak:
             self.peak, self.peak_attempt, self._peak_stale = allocated, self.attempt, True
+            self.peak_seconds = self.events[-1][0] if self.events else self.clock() - self.t0
 
     def oom(self, requested: int, allocated: int, site: int | None = None, seconds: float | None = None,
             grad_enabled: bool | None = ..., *, by_site: dict | None = None, phase: str | None = None) -> None:

@@ -94,8 +94,9 @@ def headline(report, running: bool = False, trying=None) -> str:
         if trying and last is not None and report.variable and last.value == trying[0]:
             # between attempts: the failed one is undone and the model measured before the next value
             what = "ran out of memory" if last.outcome == "oom" else ("fitted as a probe" if last.probe else "fitted")
+            then = "keeping it" if last.outcome == "ok" and not last.probe else "choosing the next value"
             return (f"{src}: running the cell; attempt {len(report.attempts)} {what} at "
-                    f"{report.variable}={last.value}, choosing the next value")
+                    f"{report.variable}={last.value}, {then}")
         attempt = f", attempt {len(report.attempts) + 1}" if report.attempts else ""
         value = trying_words(report, trying)
         return f"{src}: running the cell{attempt}" + (f" at {value}" if value else "")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from html import escape
 
 from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
-from cuda_magic.display.elements import CAP_COLOR, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box, html_table
+from cuda_magic.display.elements import (CAP_COLOR, CHART_BOX, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box,
+                                         html_table)
 from cuda_magic.display.elements import shorten, table
 from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
@@ -49,9 +50,13 @@ def line_label(use) -> str:
     return where
 
 
-def rows_shown(tl, count: int = MAX_LINES):
-    rows = tl.by_line[:count]
-    rest = tl.by_line[count:]
+def rows_shown(tl, count: int = MAX_LINES, start: int = 0):
+    """The rows shown from `start` and what the rest sum to; a rest of one line is shown as its own row
+    (a "1 more lines" row would take the space of the row it hides)."""
+    lines = tl.by_line[start:]
+    if len(lines) == count + 1:
+        count += 1
+    rows, rest = lines[:count], lines[count:]
     return rows, (sum(u.bytes for u in rest), sum(u.tensors for u in rest), len(rest))
 
 
@@ -129,11 +134,7 @@ def timeline_text(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
         lines.append(f"  {spark}  {trace_label(attempt, len(traces))}: peak {format_bytes(peak)}")
     if tl.by_line:
         lines.append(by_line_title(tl))
-        shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows)
-        body = [[format_bytes(u.bytes), str(u.tensors), line_label(u), shorten(u.code, 60)] for u in shown]
-        if rest_n:
-            body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
-        lines += table(["bytes", "tensors", "where", "code"], body, right={0, 1})
+        lines += by_line_text(tl, rows)
     words = failing_words(tl) if failing else None
     if words:
         lines.append(words)
@@ -143,10 +144,20 @@ def timeline_text(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
     return "\n".join(lines)
 
 
+def by_line_text(tl, rows: int = MAX_LINES, start: int = 0) -> list[str]:
+    """The by-line table's lines: `rows` rows from `start`, the rest summed in one row."""
+    shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows, start)
+    body = [[format_bytes(u.bytes), str(u.tensors), line_label(u), shorten(u.code, 60)] for u in shown]
+    if rest_n:
+        body.append([format_bytes(rest_bytes), str(rest_tensors), f"{rest_n} more lines", ""])
+    return table(["bytes", "tensors", "where", "code"], body, right={0, 1})
+
+
 # ---- HTML (also the widget's) --------------------------------------------------------------------
 
-def by_line_html(tl, rows: int = MAX_LINES) -> str:
-    shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows)
+def by_line_html(tl, rows: int = MAX_LINES, start: int = 0) -> str:
+    """The by-line table: `rows` rows from `start`, the rest summed in one row."""
+    shown, (rest_bytes, rest_tensors, rest_n) = rows_shown(tl, rows, start)
     body = [[format_bytes(u.bytes), str(u.tensors), escape(line_label(u)),
              f'<code style="{CODE}">{escape(shorten(u.code, 90))}</code>' if u.code else ""] for u in shown]
     if rest_n:
@@ -156,7 +167,7 @@ def by_line_html(tl, rows: int = MAX_LINES) -> str:
 
 def timeline_html(tl, rows: int = MAX_LINES, failing: bool = True) -> str:
     out = [f'<div style="margin-top:6px"><b>Black box:</b> <span style="{MUTED}">{escape(headline(tl))}</span></div>',
-           f'<div class="cuda-magic-timeline">{timeline_chart(tl)}</div>']
+           f'<div class="cuda-magic-timeline" style="{CHART_BOX}">{timeline_chart(tl)}</div>']
     if tl.by_line:
         out.append(f"<div><b>{escape(by_line_title(tl))}</b></div>")
         out.append(by_line_html(tl, rows))

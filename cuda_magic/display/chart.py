@@ -88,7 +88,8 @@ def sparkline(values: list[int], width: int = 60, top: int | None = None) -> str
 
 WIDTH = 640                             # the viewBox's width; the chart scales down to its container's
 FONT = 12                               # viewBox units: at 400 px wide still 7.5 px
-CHAR = 6.8                              # a character's width at FONT, roughly (the legend's wrapping)
+CHAR = 7.4                              # a character's width at FONT, at most for most text (the legend's
+                                        # wrapping: at 6.8 a long legend ran 1 px past the chart's edge)
 AXIS = "#888888"                        # 3:1 and more on white and on a dark theme's #111
 GRID = "rgba(128,128,128,.22)"
 BYTE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
@@ -227,6 +228,10 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
            f'preserveAspectRatio="xMinYMin meet" role="img" class="cuda-magic-chart" '
            f'style="display:block;max-width:{width}px;width:100%;height:auto;'
            f'font-family:system-ui,-apple-system,\'Segoe UI\',sans-serif;font-size:{FONT}px">']
+    # the chart in words (elements.CHART_BOX): an SVG <desc> is never drawn, and an HTML element inside it
+    # (an HTML integration point) is what a sanitiser that drops SVG keeps, in its own font size
+    out.append(f'<desc><div class="cuda-magic-chart-text" style="font-size:12.5px;line-height:1.45;'
+               f'margin:2px 0 6px 0">{escape(caption(chart))}</div></desc>')
     if chart.title:
         out.append(f'<text x="{left}" y="15" font-weight="600" fill="currentColor">{escape(chart.title)}</text>')
     unit = axis_unit(ticks_y)
@@ -281,6 +286,20 @@ def svg(chart: Chart, width: int = WIDTH, plot_height: int = 120) -> str:
         out.append(f'<text x="{lx + 22}" y="{ly}" fill="currentColor">{escape(label)}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def caption(chart: Chart) -> str:
+    """The chart in one line of words, for where the SVG is not drawn: each line's highest value and each
+    marker's label (a point with its x)."""
+    parts = [chart.title] if chart.title else []
+    unit = chart.x_label or ""
+    for s in chart.series:
+        if s.points:
+            parts.append(f"{s.label}: up to {compact_bytes(max(y for _, y in s.points))}")
+    for m in chart.markers:
+        at = f" at {_num(m.x, 2)}{' ' + unit if unit else ''}" if m.x is not None and unit else ""
+        parts.append(m.label + at)
+    return "Chart: " + "; ".join(parts) if parts else ""
 
 
 def _marker(m: Marker, pinned: bool, px, py, plot: tuple, pin_y: float) -> list[str]:

@@ -17,6 +17,17 @@ COLORS = {
     "free": "rgba(128,128,128,.22)",   # a translucent grey: the background's own part, no glare in dark
     UNKNOWN: "#8c8c8c",                # mid grey: the backend does not say
 }
+# PyTorch's tensors by kind (memory/kinds.py): the same colour for a kind in every view (%gpumem's by-kind
+# bar, a report's "at the failure", --predict's "at the peak"); marks like COLORS, none shared with it
+KIND_COLORS = {
+    "parameters": "#1a9494",       # teal
+    "gradients": "#b58900",        # gold
+    "optimizer_state": "#c2459b",  # magenta
+    "activations": "#a0703c",      # brown
+    "other": "#6f8796",            # slate
+    "in_failing_op": "#e05a6a",    # coral
+    "unseen": "#909080",           # khaki grey
+}
 PEAK_COLOR = "#6a5acd"                 # slate blue: a peak, in bars, gauges and charts
 FAIL_COLOR = "#d93a3a"                 # red: the failing request and the attempts that ran out of memory
 CAP_COLOR = "currentColor"             # the capacity or cap line: the text's own colour
@@ -39,6 +50,11 @@ NUM = ";text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap"  
 CODE = ("font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:rgba(128,128,128,.15);"
         "padding:1px 5px;border-radius:3px")
 MUTED = "opacity:.72"
+# The style of the element an <svg> goes in. A sanitiser that drops SVG (JupyterLab's for an untrusted
+# notebook keeps no <svg>, <text> or <desc> but keeps their text) would leave the labels run
+# together ("064 MiB128 MiB"): at font size 0 they take no room, and the chart's text line (chart.caption),
+# inside the SVG's <desc> (never drawn where the SVG renders), is what stays, in its own font size.
+CHART_BOX = "font-size:0;line-height:0"
 
 
 def box(inner: str, cls: str = "") -> str:

@@ -75,8 +75,9 @@ def gauge_bar_html(r) -> str:
 
 
 def gauge_html(r) -> str:
-    figures = "".join(
-        f'<span style="margin-right:14px;white-space:nowrap">{escape(label)} '
+    # spaces between the figures: the line wraps between them at a narrow width (each stays whole)
+    figures = " ".join(
+        f'<span style="margin-right:10px;white-space:nowrap;display:inline-block">{escape(label)} '
         f'<b class="cuda-magic-gauge-{cls}">{format_bytes(v)}</b></span>' for cls, label, v in _figures(r))
     return (f'<div class="cuda-magic-gauge" style="{BOX};margin:4px 0">'
             f'<div><b>live</b> {escape(r.key)} <span style="{MUTED}">· updated {1 / INTERVAL:.0f} times a second'
@@ -92,7 +93,8 @@ class WidgetView:
     On its own, `handle` is its output's display handle and `view` the output's widget-view item; the
     output's text/html and text/plain (what a saved notebook shows through nbconvert, GitHub, or reopened
     without the widget state) follow the first reading, then one every SAVE_EVERY seconds, and the last
-    (`final=True`, the reading `--live off` leaves). Not each redraw: a display update makes the front end
+    (`final=True`, the reading `--live off` leaves, as static HTML and text without the widget, which is
+    closed). Not each redraw: a display update makes the front end
     render the output again, with a new view of the widget, and the classic Notebook keeps every view of
     a cell's output until that cell runs again or is cleared (widgetsnbextension 3.x, extension.js: the
     `_jupyterWidgetViews` of the output area), each redrawn on every later value: at 4 a second, an hour of
@@ -114,7 +116,11 @@ class WidgetView:
         if self.handle is None:
             return
         now = time.monotonic()
-        if final or self._saved_at is None or now - self._saved_at >= self.SAVE_EVERY:
+        if final:
+            # the last state stays as static HTML and text: no widget left for a reopened notebook to miss
+            self.handle.update({"text/html": html, "text/plain": gauge_text(reading)}, raw=True)
+            self.widget.close()
+        elif self._saved_at is None or now - self._saved_at >= self.SAVE_EVERY:
             self._saved_at = now
             self.handle.update({**self.view, "text/html": html, "text/plain": gauge_text(reading)}, raw=True)
 
@@ -241,10 +247,11 @@ class LiveGauge:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        if self.updates and self.error is None:
+        if self.error is None:
             if hide:
-                self.view.hide()
-            else:
+                if self.updates:
+                    self.view.hide()
+            else:       # the last state, drawn even where the gauge never drew (off at once)
                 self.view.show(self.reader.read(), final=True)
         if self.error is not None:
             error, self.error = self.error, None

@@ -11,7 +11,9 @@ from html import escape
 from cuda_magic.devices.readings import PARTS
 from cuda_magic.display import answer as A
 from cuda_magic.display.blackbox_view import blackbox_html as box_html, by_line_html, by_line_title, timeline_html
-from cuda_magic.display.elements import BAR, CODE, COLORS, MUTED, OUTCOME_COLORS, PEAK_COLOR, box, html_table
+from cuda_magic.display.blackbox_view import rows_shown
+from cuda_magic.display.elements import (BAR, CHART_BOX, CODE, COLORS, KIND_COLORS, MUTED, OUTCOME_COLORS,
+                                         PEAK_COLOR, box, html_table)
 from cuda_magic.display.layout import approximate_note, kind_segments, shown_kinds
 from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
@@ -93,15 +95,6 @@ def processes_html(processes) -> str:
             + html_table(["device", "pid", "user", "name", "memory", ""], rows, {1, 4}, cls="cuda-magic-processes"))
 
 
-KIND_COLORS = {                    # marks like elements.COLORS: 3:1 on white and #111111, none shared with it
-    "parameters": "#1a9494",       # teal
-    "gradients": "#b58900",        # gold
-    "optimizer_state": "#c2459b",  # magenta
-    "activations": "#a0703c",      # brown
-    "other": "#6f8796",            # slate
-    IN_FAILING_OP: "#e05a6a",      # coral
-    UNSEEN: "#909080",             # khaki grey
-}
 
 
 def _kinds_bar(segments: list[tuple[str, int]], total: int) -> str:
@@ -269,10 +262,12 @@ def diagnosis_html(report) -> str:
 
 def _code_html(code: str) -> str:
     """Advice's code: one line inline; several (a cell to type, an indented block) kept as lines."""
+    # a block of its own, after the sentence that introduces it (an inline block sat mid-sentence where the
+    # words wrapped around it)
     if "\n" not in code:
-        return f'<br><code style="{CODE}">{escape(code)}</code>'
-    return (f'<pre style="{CODE};display:inline-block;margin:2px 0;white-space:pre-wrap">'
-            f'<code>{escape(code)}</code></pre>')
+        return f'<div style="margin:2px 0"><code style="{CODE}">{escape(code)}</code></div>'
+    return (f'<pre class="cuda-magic-code" style="{CODE};display:block;width:fit-content;max-width:100%;'
+            f'box-sizing:border-box;margin:3px 0;white-space:pre-wrap"><code>{escape(code)}</code></pre>')
 
 
 def reclaimed_html(report) -> str:
@@ -291,7 +286,9 @@ def rich(text: str) -> str:
 def guard_title_html(report, running: bool = False, trying=None) -> str:
     mark = "rgba(128,128,128,.6)" if running else OUTCOME_COLORS.get("ok" if report.outcome == "recovered" else report.outcome,
                                                                                     "currentColor")
-    words = value_words(report) if not running or not trying else None
+    # while the cell runs the headline names the attempt running now and its value: the value line (the
+    # original value until the run ends) would contradict it
+    words = value_words(report) if not running else None
     limit = f' <span style="{MUTED}">limit {format_bytes(report.limit)}</span>' if report.limit is not None else ""
     sub = f'<div>{escape(words)}</div>' if words else ""
     why = value_reason(report)
@@ -325,13 +322,21 @@ def details_html(report, full: bool = False) -> str:
     inner = [guard_devices_html(report), attempts_html(report),
              f'<div style="{MUTED}">{escape(why)}</div>' if why else "", diagnosis_html(report)]
     bb = report.blackbox
-    if report.show_blackbox and bb is not None and len(bb.by_line) > A.TOP_LINES:
-        inner.append(f"<div><b>{escape(by_line_title(bb))}</b></div>" + by_line_html(bb))
+    shown = len(rows_shown(bb, A.TOP_LINES)[0]) if report.show_blackbox and bb is not None else 0
+    if shown and shown < len(bb.by_line):
+        # the lines the unfolded table left out, not the table again
+        inner.append(f"<div><b>{escape(by_line_title(bb))}</b>, after the first {shown}</div>"
+                     + by_line_html(bb, start=shown))
     if report.show_reclaimed:
         inner.append(reclaimed_html(report))
     return (f'<details class="cuda-magic-details" style="margin-top:6px"{" open" if full else ""}>'
-            f'<summary style="cursor:pointer">{escape(A.details_label(report))}</summary>'
+            f'<summary style="{SUMMARY}">{escape(A.details_label(report))}</summary>'
             f'<div style="padding-left:12px">{"".join(inner)}</div></details>')
+
+
+# the disclosure marker in every front end: the classic Notebook's style sheet (Bootstrap 3's normalize)
+# makes <summary> a block, which has no marker; a list item has one
+SUMMARY = "display:list-item;cursor:pointer"
 
 
 def notes_html(report) -> str:
@@ -403,7 +408,7 @@ def history_html(records, chart: str = "") -> str:
     table = html_table(["cell", "device", "allocated change", "peak", "duration"], watch_rows(records), {0, 2, 3, 4})
     note = approximate_note(records)
     approx = f'<div style="{MUTED}">{escape(note)}</div>' if note else ""
-    chart = f'<div class="cuda-magic-history-chart">{chart}</div>' if chart else ""
+    chart = f'<div class="cuda-magic-history-chart" style="{CHART_BOX}">{chart}</div>' if chart else ""
     return box(chart + table + approx, "cuda-magic-watch")
 
 

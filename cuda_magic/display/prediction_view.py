@@ -8,14 +8,18 @@ from html import escape
 
 from cuda_magic.display.blackbox_view import timeline_html, timeline_text
 from cuda_magic.display.elements import BAR, CODE, MUTED, OUTCOME_COLORS, box
+from cuda_magic.display.elements import KIND_COLORS as ALL_KIND_COLORS
 from cuda_magic.display.html import legend_items_html, rich
 from cuda_magic.display.layout import percentages
 from cuda_magic.fakerun.fake_device import KINDS
 from cuda_magic.units import format_bytes
 
 TOP_LINES = 3
-KIND_COLORS = {"parameters": "#2f6fd6", "gradients": "#2894c8", "optimizer state": "#9b59d0",
-               "activations": "#a0703c", "the rest": "#6f8796"}
+# a fake run's kinds (fakerun/fake_device.py) in the colours %gpumem's by-kind bar gives the same kinds
+# (elements.KIND_COLORS): one colour per kind in every view
+KIND_COLORS = {k: ALL_KIND_COLORS[name] for k, name in (
+    ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
+    ("activations", "activations"), ("the rest", "other"))}
 
 
 def _on(p) -> str:

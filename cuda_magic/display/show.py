@@ -1,8 +1,11 @@
 """Showing a record in the best form the frontend can render.
 
-- In a Jupyter kernel with ipywidgets: a widget, whose output bundle also carries text/html and
-  text/plain with the same facts (for nbconvert, GitHub's viewer, frontends without the widget manager).
-- In a kernel without ipywidgets: HTML with a text/plain fallback.
+- In a Jupyter kernel: HTML with a text/plain twin. A finished record is static: what stays in the
+  notebook needs no widget state (JupyterLab does not save it by default: a widget output reopened there
+  reads "Error displaying widget: model not found"), and reads untrusted too (the sanitiser's copy).
+  Widgets serve only while a cell runs (a guarded cell's attempts and gauge, `%gpumem --live`); when it
+  ends, its output is replaced by the HTML and text of its last state.
+- In a kernel without ipywidgets: the same HTML; the live views are display updates.
 - Elsewhere (terminal IPython, plain python): plain text, printed.
 
 The environment variable CUDA_MAGIC_DISPLAY=text|html|widget forces a form.
@@ -102,16 +105,9 @@ def show(obj, *, quiet: bool = False, form: str | None = None):
     """
     if quiet:
         return None
-    text, html, make_widget = forms_of(obj)
+    text, html, _ = forms_of(obj)
     form = form or display_form()
-    if form == "widget" and make_widget is not None and current_shell() is not None:
-        try:
-            w = make_widget()
-        except ImportError as exc:
-            warnings.warn(f"{exc}; showing HTML instead", stacklevel=2)
-        else:
-            publish(w.bundle())
-            return None
+    # a record shown once is finished: static HTML and text, never a widget (module docstring)
     if form in ("widget", "html") and current_shell() is not None:
         publish({"text/html": html(), "text/plain": text()})
         return None
@@ -190,6 +186,9 @@ class GuardHandle:
         self.attempts.append(attempt)
         if self.quiet:
             return
+        from cuda_magic.display.widget import finished_trying
+
+        self.trying = finished_trying(self.running(), attempt, self.trying)
         if self.form == "widget":
             # the live view updates (from the live report, whose retry the widget's copy lacks); the fallback
             # forms at finish
@@ -209,8 +208,10 @@ class GuardHandle:
         if self.quiet:
             return
         if self.form == "widget":
-            self.widget.update(report, running=False)
-            self.display.update(self.widget.bundle(), raw=True)
+            # the widget served while the cell ran; what stays is static HTML and text (module docstring)
+            widget, self.widget = self.widget, None
+            self.display.update(self.html_bundle(report), raw=True)
+            widget.close()
         elif self.form == "html":
             self.display.update(self.html_bundle(report), raw=True)
         else:

@@ -17,7 +17,7 @@ from cuda_magic.display.layout import KIND_BAR_WIDTH, approximate_note, kind_seg
 from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.display import answer as A
-from cuda_magic.display.blackbox_view import timeline_text
+from cuda_magic.display.blackbox_view import by_line_text, by_line_title, rows_shown, timeline_text
 from cuda_magic.display.elements import shorten, table, wrap_items
 from cuda_magic.units import format_bytes, format_duration
 
@@ -197,7 +197,9 @@ def guard_text(report, running: bool = False, *, full: bool = False, trying=None
         if report.limit is not None:
             lines.append(f"limit: {format_bytes(report.limit)}")
         lines += guard_devices_text(report)
-        lines += _attempts_text(report) + _value_text(report, running)
+        # while the cell runs the headline names the attempt running now and its value; the value line
+        # (the original value until the run ends) would contradict it (issue 37)
+        lines += _attempts_text(report) + ([] if running else _value_text(report, running))
         lines += _notes_text(report)
         if report.show_blackbox and not running:
             lines.append(timeline_text(report.blackbox))
@@ -228,8 +230,11 @@ def guard_text(report, running: bool = False, *, full: bool = False, trying=None
     if why:
         lines += _wrap(why, 100, subsequent_indent="  ")
     lines += _failure_text(report)
-    if report.show_blackbox and len(report.blackbox.by_line) > A.TOP_LINES:
-        lines.append(timeline_text(report.blackbox))
+    bb = report.blackbox if report.show_blackbox else None
+    shown = len(rows_shown(bb, A.TOP_LINES)[0]) if bb is not None else 0
+    if shown and shown < len(bb.by_line):          # the lines the answer's table left out, not it again
+        lines.append(f"{by_line_title(bb)}, after the first {shown}")
+        lines += by_line_text(bb, start=shown)
     lines += _diagnosis_text(report)
     if report.show_reclaimed:
         lines.append(reclaimed_words(report))

@@ -42,6 +42,15 @@ def with_classes(w, *classes: str):
     return w
 
 
+def finished_trying(report, attempt, trying):
+    """What the header says is tried once `attempt` ended: in a retry, its value until the next value is
+    set (answer.headline then says the attempt ended and the next value is being chosen); the first
+    attempt runs at the cell's own value without a try_value before it."""
+    if report.variable and attempt.value is not None and (trying is None or trying[0] != attempt.value):
+        return (attempt.value, trying[1] if trying and trying[0] == attempt.value else None)
+    return trying
+
+
 class RecordWidget:
     """Base of the wrappers: the ipywidgets root plus the text and HTML forms of what it shows."""
 
@@ -66,6 +75,15 @@ class RecordWidget:
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
         return self.bundle()
+
+    def close(self) -> None:
+        """Close the root and every widget inside it (their models leave the kernel and the page): a
+        finished view is replaced by static HTML (display/show.py), nothing of it is left to sync."""
+        stack = [self.widget]
+        while stack:
+            w = stack.pop()
+            stack.extend(getattr(w, "children", ()) or ())
+            w.close()
 
     def __repr__(self) -> str:
         return self.text()
@@ -191,13 +209,13 @@ class GuardWidget(RecordWidget):
         if report is not None:
             self.report = report
         self.attempt_list.append(attempt)
+        self.trying = finished_trying(self.current(), attempt, self.trying)
         current = self.current()
+        # the header with the table, in the same update: "attempt N ran out at <value>, choosing the next
+        # value" (or, where it fitted, "keeping it") until the next attempt starts (try_value), never the
+        # attempt that just ended as running
+        self._show(self.title, H.guard_title_html(current, self.running, self.trying))
         self._show(self.attempts, H.attempts_html(current))
-        # in a retry the header changes when the next attempt starts (try_value): until then its value is
-        # the finished attempt's, and "attempt N+1 at <that value>" would be wrong (for seconds: the undo
-        # and the measuring come first)
-        if self.trying is None:
-            self._show(self.title, H.guard_title_html(current, self.running, self.trying))
 
     def try_value(self, value, accumulate=None, report=None) -> None:
         """A retry is about to run the cell at `value`: the header says so (`report`: as add_attempt's)."""

@@ -35,12 +35,16 @@ def predict_cell(magics, args, cell: str):
                       retry=retry, amp=args.amp, autocast=lambda: prediction_autocast(args.amp, meter),
                       cell_filename=compiled.filename, lines=tuple(compiled.lines), device_name=name)
     from IPython.utils.capture import capture_output
+    from cuda_magic.display.waiting import Waiting
 
-    with capture_output(display=True):        # what the fake run prints or displays is not the cell's
+    # past a second, a line says the prediction runs (display/waiting.py); the prediction takes its place
+    with Waiting("%%oomguard --predict: predicting the cell's memory with fake runs") as waiting, \
+            capture_output(display=True):     # what the fake run prints or displays is not the cell's
         prediction = planner.predict()
     if note:
         prediction.notes.insert(0, note)
     magics.cuda_magic_state.last_prediction = prediction
-    if not args.quiet or prediction.fits is False:
+    shown = not args.quiet or prediction.fits is False
+    if not waiting.finish(prediction if shown else None) and shown:
         show(prediction)
     return prediction if args.output else None

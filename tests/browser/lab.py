@@ -196,11 +196,15 @@ def jupyter_server(notebook: Path, command, *, name: str, server_class=LabServer
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def server(notebook: Path, *, startup_timeout_s: float = 90, theme: str | None = None):
+def server(notebook: Path, *, startup_timeout_s: float = 90, theme: str | None = None, prepare=None):
     """Start JupyterLab with a copy of `notebook` in a temporary root directory (a context manager
-    yielding the LabServer); `theme`: the theme's name in the user settings (default: JupyterLab's)."""
+    yielding the LabServer); `theme`: the theme's name in the user settings (default: JupyterLab's);
+    `prepare(server, tmp)`: called before the server starts (to sign the copy with its data directory's
+    notary, say)."""
 
     def command(server: LabServer, tmp: Path):
+        if prepare is not None:
+            prepare(server, tmp)
         settings_dir, workspaces_dir = tmp / "settings", tmp / "workspaces"
         _write_settings(settings_dir, theme)
         argv = [

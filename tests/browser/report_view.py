@@ -282,6 +282,12 @@ def live_attempt_2(history: list[dict], value: int) -> tuple[dict | None, list[d
         m = re.search(r"attempt (\d+) at batch_size = (\d+)", head)
         if m and ran_at.get(int(m.group(1))) != int(m.group(2)):
             wrong.append({**state, "ran_at": ran_at})
+        # issue 37: the header names the attempt running now, never one whose row says it ended ("running the
+        # cell at batch_size = 16384" for seconds after the table showed 16384 ran out)
+        running = re.search(r"running the cell(?:, attempt (\d+))? at ", head)
+        ended = sum(1 for row in state["rows"] if re.match(r"\d+ \d+ ", row))
+        if running and int(running.group(1) or 1) <= ended:
+            wrong.append({**state, "ended": ended})
         if (good is None and f"attempt 2 at batch_size = {value}" in head
                 and any(row.startswith("1 ") and "out of memory" in row for row in state["rows"])):
             good = state
