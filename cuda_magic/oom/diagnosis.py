@@ -175,8 +175,10 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
         kept = held_total if "names_holding" in found else 0
         too_large = free is not None and shortfall > recoverable
         if working is not None and capacity:
-            room = capacity - found.get("other_processes", 0)
-            too_large = too_large or max(0, working - kept) + request >= _TIGHT * room
+            too_large = too_large or max(0, working - kept) + request >= _TIGHT * _room(fields, capacity, found)
+        # the cache stood in the way of a step still building its forward graph: what it needs at its peak
+        # is more than it held, so the working set is named too (and the batch advised first)
+        too_large = too_large or (working is not None and "fragmentation" in found and _building_forward(facts))
         if too_large:
             found["too_large"] = max(0, (working or 0) - kept) + request
 
@@ -186,7 +188,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
         causes.remove("names_holding")
         causes.insert(0, "names_holding")
     elif ("fragmentation" in found and request is not None and cached >= request
-          and (free is None or free < request)):
+          and (free is None or free < request) and _tensors_alone_fit(fields, facts, capacity, found, working)):
         causes.remove("fragmentation")        # the cache alone could have served the request
         causes.insert(0, "fragmentation")
     if plenty_free:
@@ -200,6 +202,41 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
     ctx = Context(fields, facts, capacity, limited, tuple(held), found, estimated, tuple(causes))
     summary, cause = _summary(ctx)
     return Diagnosis(causes=causes, summary=summary, advice=advise(ctx), holders=held, cause=cause)
+
+
+def outside_torch(fields: OomFields) -> int | None:
+    """What this process holds on the device outside PyTorch's cache (its CUDA context, cuBLAS and cuDNN
+    workspaces, another library's memory), where the message states this process's total (torch 2.1+)."""
+    if fields.backend == "mps" or None in (fields.this_process, fields.reserved_total):
+        return None
+    return max(0, fields.this_process - fields.reserved_total)
+
+
+def _room(fields: OomFields, capacity: int, found: dict[str, int]) -> int:
+    """What PyTorch's tensors can have of the capacity: less what other processes and this process outside
+    PyTorch hold."""
+    return capacity - found.get("other_processes", 0) - (outside_torch(fields) or 0)
+
+
+def _tensors_alone_fit(fields: OomFields, facts: CellFacts, capacity, found, working) -> bool:
+    """Whether the tensors alone (without the unusable cache) would have had room for the request, at the
+    point where the step's memory stops growing: never said of a training step that failed while its forward
+    pass was still building the graph it will go back through (the graph's activations hold most of the
+    tensors, and it has not run backward): that step needs more than it held at the failure, and a batch
+    several times too large fails there first."""
+    if _building_forward(facts):
+        return False
+    if working is None or not capacity or fields.requested is None:
+        return True
+    return working + fields.requested <= _room(fields, capacity, found)
+
+
+def _building_forward(facts: CellFacts) -> bool:
+    """A training step that failed in its forward pass: the cell goes backward, it had not, and the graph's
+    activations held most of the tensors at the failure."""
+    kinds = sum(facts.by_kind.values())
+    return bool(facts.cell.backward and not facts.backward and not facts.inference and kinds
+                and facts.by_kind.get("activations", 0) >= 0.5 * kinds)
 
 
 def _as_holder(h) -> Holder:
@@ -267,9 +304,13 @@ def _summary(ctx: Context) -> tuple[str, str]:
         nbytes, code, where = top
         phrases[0] += f"; {format_bytes(nbytes)} was alive from `{code}` at {where}"
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
-    cause = second
+    unnamed = _parts_unnamed(ctx, ctx.causes[:1])
+    cause = second + (f"; {_parts_phrase(ctx, unnamed)}" if unnamed else "")
     if len(phrases) > 1:
         second += "; also " + "; ".join(phrases[1:])
+    rest = _parts_unnamed(ctx, ctx.causes)
+    if rest:
+        second += f"; {_parts_phrase(ctx, rest)}"
     if ctx.facts.independent:
         what = (f"`{top[1]}` at {top[2]} ({format_bytes(top[0])})" if top is not None
                 else "what the figures above name")
@@ -277,6 +318,54 @@ def _summary(ctx: Context) -> tuple[str, str]:
                   f"value, and what fills the device is {what}. {second}")
         cause = second
     return f"{first}. {second}.", f"{cause}."
+
+
+_MATERIAL = 0.05                      # a part holding this share of the device is named in the cause
+
+
+def _parts(ctx: Context) -> dict[str, int]:
+    """What holds the device, by part, in bytes, where the message says: 'tensors' (PyTorch's tensors),
+    'cache' (cached by PyTorch but unallocated), 'outside' (this process outside PyTorch), 'others' (other
+    processes; for messages before torch 2.1, everything outside PyTorch)."""
+    f = ctx.fields
+    parts = {"tensors": f.allocated_by_torch, "cache": f.reserved_unallocated, "outside": outside_torch(f)}
+    others, _ = _others(f, ctx.capacity if not ctx.limited else None)
+    parts["others"] = others
+    return {k: v for k, v in parts.items() if v}
+
+
+# which parts a cause's phrase already names
+_NAMES = {"too_large": ("tensors",), "fragmentation": ("cache",), "other_processes": ("others",),
+          "names_holding": ("tensors",), "graphs_in_evaluation": ("tensors",)}
+
+
+def _parts_unnamed(ctx: Context, causes) -> list[tuple[str, int]]:
+    """The parts holding a material share of the device (at least 5% of it, or enough that freeing them
+    alone would make the request fit) that the phrases of `causes` do not name, largest first."""
+    f, cap = ctx.fields, ctx.capacity or ctx.fields.this_process
+    if not cap or "request_exceeds_capacity" in causes or "cap_below_held" in causes:
+        return []
+    shortfall = max(0, f.requested - f.free) if f.requested is not None and f.free is not None else None
+    named = {p for c in causes for p in _NAMES.get(c, ())}
+    if ctx.found.get("too_large") and "too_large" in causes and f.allocated_by_torch is None:
+        named.add("tensors")
+    out = [(k, v) for k, v in _parts(ctx).items() if k not in named
+           and (v >= _MATERIAL * cap or (k != "tensors" and shortfall and v >= shortfall))]
+    return sorted(out, key=lambda kv: -kv[1])
+
+
+def _parts_phrase(ctx: Context, parts) -> str:
+    words = {"tensors": "{} is in PyTorch's tensors",
+             "cache": "{} is cached by PyTorch but unallocated",
+             "outside": "{} is held by this process outside PyTorch (its CUDA context, cuBLAS/cuDNN workspaces, "
+                        "other libraries)",
+             "others": ("{} is used outside PyTorch (other processes, or libraries in this one)"
+                        if ctx.others_estimated else "{} is held by other processes")}
+    listed = [words[k].format(format_bytes(v)) for k, v in parts]
+    joined = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
+    if ctx.capacity:
+        return f"of the {format_bytes(ctx.capacity)}, {joined}"
+    return f"of the {format_bytes(ctx.fields.this_process)} this process holds, {joined}"
 
 
 def _phrase(cause: str, ctx: Context) -> str:
