@@ -320,9 +320,6 @@ def _summary(ctx: Context) -> tuple[str, str]:
     return f"{first}. {second}.", f"{cause}."
 
 
-_MATERIAL = 0.05                      # a part holding this share of the device is named in the cause
-
-
 def _parts(ctx: Context) -> dict[str, int]:
     """What holds the device, by part, in bytes, where the message says: 'tensors' (PyTorch's tensors),
     'cache' (cached by PyTorch but unallocated), 'outside' (this process outside PyTorch), 'others' (other
@@ -340,8 +337,8 @@ _NAMES = {"too_large": ("tensors",), "fragmentation": ("cache",), "other_process
 
 
 def _parts_unnamed(ctx: Context, causes) -> list[tuple[str, int]]:
-    """The parts holding a material share of the device (at least 5% of it, or enough that freeing them
-    alone would make the request fit) that the phrases of `causes` do not name, largest first."""
+    """The parts holding a material share of the device (a significant share of it, or enough that freeing
+    them alone would make the request fit) that the phrases of `causes` do not name, largest first."""
     f, cap = ctx.fields, ctx.capacity or ctx.fields.this_process
     if not cap or "request_exceeds_capacity" in causes or "cap_below_held" in causes:
         return []
@@ -350,7 +347,7 @@ def _parts_unnamed(ctx: Context, causes) -> list[tuple[str, int]]:
     if ctx.found.get("too_large") and "too_large" in causes and f.allocated_by_torch is None:
         named.add("tensors")
     out = [(k, v) for k, v in _parts(ctx).items() if k not in named
-           and (v >= _MATERIAL * cap or (k != "tensors" and shortfall and v >= shortfall))]
+           and (v >= _SHARE * cap or (k != "tensors" and shortfall and v >= shortfall))]
     return sorted(out, key=lambda kv: -kv[1])
 
 
