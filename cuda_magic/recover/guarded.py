@@ -120,6 +120,7 @@ class GuardedRun:
         self._block = None              # begin() / record(): (start allocated, t0, the entered contexts,
                                         # whether the device's peak counter was reset for the run)
         self._counters_read = True      # the attempts' peaks are the device's counters
+        self._before_counters = (None, None)    # record(): allocated and reserved before the cell ran
 
     # -- a call the core runs -------------------------------------------------------------------------
     def run(self, call) -> GuardResult:
@@ -211,7 +212,10 @@ class GuardedRun:
         self._lengths = container_lengths(self.shell)
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
-        self._block = (read_counter(self.meter.allocated), time.perf_counter(), ExitStack(), False)
+        # the device before the cell: two counters now (cheap for every cell), the rest read at a failure
+        reserved = getattr(self.meter, "reserved", None)
+        self._before_counters = (read_counter(self.meter.allocated), read_counter(reserved) if reserved else None)
+        self._block = (self._before_counters[0], time.perf_counter(), ExitStack(), False)
 
     def discard(self) -> None:
         """The cell fitted and nobody asked for its report: stop recording, read nothing."""
@@ -226,8 +230,8 @@ class GuardedRun:
         __tracebackhide__ = True  # noqa: F841
         block, self._block = self._block, None
         self._started = True
-        if not self.report.before:          # a cell IPython ran, read at the failure: it has already run
-            self.report.before = metered_devices(self.meter)
+        if not self.report.before:          # a cell IPython ran: its devices read now, its counters before it
+            self.report.before = _as_before(metered_devices(self.meter), self._before_counters)
         start, t0, stack, measured = block if block is not None else (None, time.perf_counter(), ExitStack(), False)
         stack.close()
         self._counters_read = measured
@@ -423,6 +427,26 @@ class GuardedRun:
             held_at_start=start, independent=report.retry is not None and report.retry.independent,
             backward=failed is not None and failed.phase == "backward")
         return diagnose(report.oom, facts)
+
+
+def _as_before(devices: list, counters) -> list:
+    """The device as it was before a cell IPython ran (`%oomguard on`), from its reading at the failure and
+    the allocated and reserved counters read before the cell: what the cell allocated and cached is not
+    'before' (the folded table showed 91.75 MiB before a cell that started from 3.36 MiB)."""
+    import dataclasses
+
+    allocated, reserved = counters
+    if allocated is None:
+        return devices
+    out = []
+    for d in devices:
+        changes = {"torch_allocated": allocated}
+        if reserved is not None and reserved >= allocated:
+            changes["torch_cached"] = reserved - allocated
+            if None not in (d.free, d.torch_allocated, d.torch_cached):
+                changes["free"] = max(0, d.free + d.torch_allocated + d.torch_cached - reserved)
+        out.append(dataclasses.replace(d, **changes, peak=None))
+    return out
 
 
 def container_lengths(shell) -> dict[str, tuple[int, int]]:
