@@ -308,3 +308,19 @@ def test_a_trainer_hears_its_own_arguments_and_its_retry_ends_as_one_clean_run(l
     run_ok(llama, "from IPython.utils.capture import capture_output\nwith capture_output():\n"
                   + "".join("    " + line + "\n" for line in TRAINER_CELL.splitlines()))
     assert llama.user_ns["same"](after, llama.user_ns["fingerprint"]())
+
+
+def test_under_oomguard_on_the_steps_own_out_is_not_called_a_leak(llama, capsys):
+    """Issue 36: under `%oomguard on` the Llama step runs out in `out.loss.backward()`; `out` is the output
+    this step bound and still needs (its graph is what the backward pass walks), not a leak: no
+    "keeps the autograd graph of every step alive", no `del out`; the batch leads."""
+    llama.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(llama, "reset()\nbs = 104")
+    llama.run_line_magic("oomguard", "on")
+    capsys.readouterr()
+    llama.run_cell(LLAMA_CELL)
+    out = capsys.readouterr().out
+    assert "out of memory at cell line 5 `out.loss.backward()`" in " ".join(out.split()), out
+    assert "every step alive" not in out and "Notebook names keep" not in out, out
+    assert "%freecuda out" not in out
+    assert "Do this: Use a smaller batch" in out

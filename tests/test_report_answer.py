@@ -249,3 +249,26 @@ def test_or_lines_are_never_cut_inside_a_word():
                                                                     diagnosis=explain(e["text"])), count=5)
                      if s.code == "%gpumem --processes")
     assert processes.label == "See which processes use the GPU and close those you do not need"
+
+
+def test_a_name_the_cell_only_rebinds_is_among_what_to_free(tip, capsys):
+    """Issue 36: `big = torch.empty(...)` while the old `big` holds 300 MiB: the cell never reads the old
+    value, it only replaces it, and deleting it first makes the new one fit: `%freecuda big` is the thing to
+    do (the name dropped out of "free these" because the cell uses the name)."""
+    tip.run_line_magic("gpumem", "--simulate 512MiB -q")
+    run_ok(tip, "big = torch.empty(300 * 2**20, dtype=torch.uint8)")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\nbig = torch.empty(300 * 2**20, dtype=torch.uint8)").result
+    out = capsys.readouterr().out
+    assert "big" in {h.name for h in report.diagnosis.holders}
+    do = out.split("Do this:")[1].split("\nOr:")[0]
+    assert "    %freecuda big" in do.splitlines(), out
+    assert "big" in tip.user_ns            # named, never deleted
+
+
+def test_a_name_the_cell_reads_first_is_not_advised_to_free(tip, capsys):
+    """The other side: `big = big + 1` reads the old `big`: the cell needs it, it is not offered to delete."""
+    tip.run_line_magic("gpumem", "--simulate 512MiB -q")
+    run_ok(tip, "big = torch.zeros(300 * 2**20, dtype=torch.uint8)")
+    report = tip.run_cell("%%oomguard --no-raise -q -o\nbig = big + 1").result
+    assert not any("%freecuda big" in (a.code or "") for a in report.diagnosis.advice)

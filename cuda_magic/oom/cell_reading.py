@@ -65,6 +65,57 @@ def names_in(source: str) -> set[str]:
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
+def bound_before_read(source: str) -> frozenset[str]:
+    """The names whose first use in the source, in the order Python runs it, binds them (`big =
+    torch.empty(...)`, `out = model(x)`): the cell never reads the value they held before it ran.
+    `big = big + 1` and `total += loss` read first."""
+    try:
+        tree = ast.parse(source or "")
+    except (SyntaxError, ValueError):
+        return frozenset()
+    reading = _FirstUse()
+    reading.visit(tree)
+    return frozenset(n for n, bound in reading.first.items() if bound)
+
+
+class _FirstUse(ast.NodeVisitor):
+    """Whether each name is first bound or first read, visiting an assignment's value before its targets."""
+
+    def __init__(self):
+        self.first: dict[str, bool] = {}
+
+    def visit_Name(self, node):
+        self.first.setdefault(node.id, isinstance(node.ctx, ast.Store))
+
+    def visit_Assign(self, node):
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AnnAssign(self, node):
+        if node.value is not None:
+            self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_AugAssign(self, node):
+        if isinstance(node.target, ast.Name):
+            self.first.setdefault(node.target.id, False)
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_NamedExpr(self, node):
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_For(self, node):
+        self.visit(node.iter)
+        self.visit(node.target)
+        for stmt in node.body + node.orelse:
+            self.visit(stmt)
+
+    visit_AsyncFor = visit_For
+
+
 _BATCH_NAME = re.compile(r"(^|_)(bs|batch|batch_?size|micro_?batch|mbs|n_?batch)(_|$)|batch", re.I)
 _ACCUM_NAME = re.compile(r"accum|grad_?acc|(^|_)acc(_|$)", re.I)
 _SIZE_NAME = re.compile(r"(^|_)(n|num|size|len|length|seq|seq_?len|rows|samples|chunk)(_|$)", re.I)

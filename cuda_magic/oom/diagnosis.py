@@ -65,6 +65,7 @@ class CellFacts:
     top_line: tuple[int, str, str] | None = None
     cell: CellReading = CellReading()     # what the failing cell's source (and its functions) already does
     in_use: frozenset = frozenset()       # names the failing cell uses: never advised to delete
+    own: frozenset = frozenset()          # names the failing run bound itself: its working set, never a leak
     grown: frozenset | None = None        # containers that grew during the run; None: not known
     by_kind: dict = field(default_factory=dict)   # memory.kinds: the device's tensors by kind at the failure
     held_at_start: int | None = None      # allocated when the run began (a -l cap counts it too)
@@ -252,6 +253,8 @@ def _listed(holders, shortfall: int | None, facts: CellFacts) -> list[Holder]:
     it alone would make the request fit, and never a module or optimizer the cell uses."""
     out = []
     for h in map(_as_holder, holders):
+        if h.name in facts.own:
+            continue   # `out = model(x)` bound by the failing step: what it still needs, in its working set
         if h.bytes <= 0 and not (h.kind == "graph" and h.shared > 0):
             continue   # nothing of its own: unless it keeps graphs that other names keep too (logged losses
                        # and collected outputs of the same steps), which go only when all of them go

@@ -117,6 +117,7 @@ class GuardedRun:
         self.why = ""                   # why the value about to run was chosen (the retry policy's words)
         self._started = self._finished = False
         self._lengths: dict[str, tuple[int, int]] = {}     # containers' (id, length) when the run began
+        self._ids: dict[str, int] = {}  # the id of each user name's value when the run began
         self._block = None              # begin() / record(): (start allocated, t0, the entered contexts,
                                         # whether the device's peak counter was reset for the run)
         self._counters_read = True      # the attempts' peaks are the device's counters
@@ -210,6 +211,7 @@ class GuardedRun:
         touched (the device's own peak counter is the user's). Then `end(exc)`, or `discard()`."""
         self._started = True
         self._lengths = container_lengths(self.shell)
+        self._ids = value_ids(self.shell)
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
         # the device before the cell: two counters now (cheap for every cell), the rest read at a failure
@@ -310,13 +312,19 @@ class GuardedRun:
         """The names holding memory at the failure, those the failing cell uses (it reads them, or its
         frames hold their modules and optimizers), and the containers that grew during the run."""
         from cuda_magic.ipython import user_variables
-        from cuda_magic.oom.cell_reading import names_in
+        from cuda_magic.oom.cell_reading import bound_before_read, names_in
         from cuda_magic.recover.cleanup import shared_holders
 
         variables = user_variables(self.shell)
         failure.holders = tuple(shared_holders(self.shell))
         used = names_in(failure.source)
-        failure.in_use = frozenset(n for n, v in variables.items() if n in used or id(v) in failure.in_frames)
+        # a name the cell binds before it reads: still its old value (the cell had not got there), which the
+        # cell only replaces, so deleting it helps; or a value this run bound, the step's own
+        bound = bound_before_read(failure.source) if self._ids else frozenset()
+        old = {n for n in bound if n in variables and self._ids.get(n) == id(variables[n])}
+        failure.own = frozenset(n for n in bound if n in variables and n not in old)
+        failure.in_use = frozenset(n for n, v in variables.items()
+                                   if (n in used and n not in old) or id(v) in failure.in_frames)
         failure.ints = tuple((n, v) for n, v in variables.items() if n in used and type(v) is int)
         failure.grown = frozenset(n for n, (ident, length) in self._lengths.items()
                                   if id(variables.get(n)) == ident and _length(variables[n]) > length)
@@ -349,6 +357,7 @@ class GuardedRun:
             return
         self._started = True
         self._lengths = container_lengths(self.shell)
+        self._ids = value_ids(self.shell)
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -422,6 +431,7 @@ class GuardedRun:
             top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None,
             cell=_cell_reading(failure),
             in_use=failure.in_use if failure is not None else frozenset(),
+            own=failure.own if failure is not None else frozenset(),
             grown=failure.grown if failure is not None else frozenset(),
             by_kind=dict(failure.by_kind or {}) if failure is not None else {},
             held_at_start=start, independent=report.retry is not None and report.retry.independent,
@@ -447,6 +457,15 @@ def _as_before(devices: list, counters) -> list:
                 changes["free"] = max(0, d.free + d.torch_allocated + d.torch_cached - reserved)
         out.append(dataclasses.replace(d, **changes, peak=None))
     return out
+
+
+def value_ids(shell) -> dict[str, int]:
+    """The id of each user name's value, where there is a shell: at a failure, which names the run bound."""
+    if shell is None:
+        return {}
+    from cuda_magic.ipython import user_variables
+
+    return {n: id(v) for n, v in user_variables(shell).items()}
 
 
 def container_lengths(shell) -> dict[str, tuple[int, int]]:
