@@ -419,7 +419,8 @@ class GuardedRun:
         start = report.attempts[-1].start_allocated if report.attempts else None
         batch_var, accum_var = report.variable, report.accumulate
         if batch_var is None and failure is not None:     # the cell's own names, for a line to paste
-            batch_var, guessed_accum = batch_names(dict(failure.ints), failure.point.text if failure.point else "")
+            batch_var, guessed_accum = batch_names(dict(failure.ints), failure.point.text if failure.point else "",
+                                                   failure.source)
             accum_var = accum_var or guessed_accum
         facts = CellFacts(
             holders=tuple(holders), amp=self.options.amp is not None,
@@ -515,6 +516,9 @@ def _cell_reading(failure):
     if failure is None:
         return read_cell("")
     reading = read_cell(failure.source)
+    tokens = dict(failure.ints).get(reading.new_tokens_name) if reading.new_tokens_name else None
+    if type(tokens) is int:                 # `max_new_tokens=n`: n's value when it failed
+        reading = dataclasses.replace(reading, new_tokens=tokens)
     if failure.trains or failure.trainer is not None:
         reading = dataclasses.replace(reading, backward=reading.backward or failure.trains, trainer=failure.trainer)
     return reading
