@@ -324,6 +324,8 @@ def test_under_oomguard_on_the_steps_own_out_is_not_called_a_leak(llama, capsys)
     assert "every step alive" not in out and "Notebook names keep" not in out, out
     assert "%freecuda out" not in out
     assert "Do this: Use a smaller batch" in out
+    flat = " ".join(out.split())
+    assert "needed" in flat and "MiB more (a 20.00 MiB segment)" in flat     # the tensor's request, the segment named
 
 
 def test_generate_advice_offers_fewer_tokens_than_the_cell_asks_for(tip, capsys):

@@ -225,6 +225,7 @@ def test_the_headline_gives_the_tensors_request_and_labels_the_segment(tip, caps
     assert int(5.38 * 2**20) <= report.blackbox.failure.requested < int(5.38 * 2**20) + 512     # its block
     assert ": asked 5.38 MiB (a 20.00 MiB segment), " in out, out
     assert "asked 20.00 MiB" not in out
+    assert "tried to allocate 5.38 MiB (a 20.00 MiB segment)" in report.diagnosis.summary, report.diagnosis.summary
 
 
 def test_or_lines_are_never_cut_inside_a_word():

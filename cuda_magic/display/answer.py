@@ -18,7 +18,6 @@ STEPS = 3                 # things to do shown unfolded: the first in full, the 
 TOP_LINES = 3             # rows of the black box's by-line table shown unfolded
 CODE_WIDTH = 70           # the failing line's code in the headline, at most
 LABEL_WIDTH = 80          # an "Or:" line's label, at most: cut at a word (the whole advice is folded)
-_SEGMENTED = ("cuda", "hip", "simulated")   # allocators whose message states the segment, not the tensor
 MORE_TEXT = "%oomguard last"     # what the text form says shows the rest
 
 
@@ -121,21 +120,14 @@ def headline(report, running: bool = False, trying=None) -> str:
 
 
 def tensor_asked(report) -> int | None:
-    """The failing tensor's own request, where the black box recorded the failure the message states: the
+    """The failing tensor's own request, where the black box recorded the failure the message states and the
     message gives what the allocator tried to reserve for it (on CUDA, a whole segment: 20 MiB for a 5 MiB
     tensor), which the headline then labels as the segment."""
-    from cuda_magic.devices.caching_allocator import segment_asked
+    from cuda_magic.oom.diagnosis import tensor_request
 
-    box, oom = report.blackbox, report.oom
+    box = report.blackbox
     failed = box.failure if box is not None else None
-    if failed is None or oom is None or oom.requested is None or oom.backend not in _SEGMENTED:
-        return None
-    if failed.requested == oom.requested:
-        return None
-    # the same failure: the message's figure is the segment torch reserves for this request (two decimals)
-    if abs(segment_asked(failed.requested) - oom.requested) <= max(10 * 1024, oom.requested // 1000):
-        return failed.requested
-    return None
+    return tensor_request(report.oom, failed.requested if failed is not None else None)
 
 
 def cause(report) -> str:

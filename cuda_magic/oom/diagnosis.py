@@ -71,6 +71,8 @@ class CellFacts:
     held_at_start: int | None = None      # allocated when the run began (a -l cap counts it too)
     independent: bool = False             # the retry found that the memory does not depend on batch_var
     backward: bool = False                # it ran out in the backward pass
+    tensor_requested: int | None = None   # the failing tensor's own request, where the message states the
+                                          # segment the allocator tried to reserve for it (`tensor_request`)
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,25 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
     return Diagnosis(causes=causes, summary=summary, advice=advise(ctx), holders=held, cause=cause)
 
 
+_SEGMENTED = ("cuda", "hip", "simulated")   # allocators whose message states the segment, not the tensor
+
+
+def tensor_request(fields: OomFields | None, recorded: int | None) -> int | None:
+    """The failing tensor's own request, where the black box `recorded` it and the message states instead
+    the segment torch's caching allocator tried to reserve for it (20 MiB for a 5.38 MiB tensor); None
+    where they are the same, or not the same failure."""
+    from cuda_magic.devices.caching_allocator import segment_asked
+
+    if fields is None or fields.requested is None or recorded is None or fields.backend not in _SEGMENTED:
+        return None
+    if recorded == fields.requested:
+        return None
+    # the message's figure has two decimals of its unit
+    if abs(segment_asked(recorded) - fields.requested) <= max(10 * 1024, fields.requested // 1000):
+        return recorded
+    return None
+
+
 def outside_torch(fields: OomFields) -> int | None:
     """What this process holds on the device outside PyTorch's cache (its CUDA context, cuBLAS and cuDNN
     workspaces, another library's memory), where the message states this process's total (torch 2.1+)."""
@@ -294,7 +315,9 @@ def _summary(ctx: Context) -> tuple[str, str]:
     head = "Possibly out of memory" if f.possible else "Out of memory"
     first = f"{head} on {_where(f)}"
     if f.requested is not None:
-        first += f": tried to allocate {format_bytes(f.requested)}"
+        tensor = ctx.facts.tensor_requested
+        first += (f": tried to allocate {format_bytes(tensor)} (a {format_bytes(f.requested)} segment)" if tensor
+                  else f": tried to allocate {format_bytes(f.requested)}")
         if ctx.limited:
             first += f", with {format_bytes(cap)} allowed to this process"
         elif f.free is not None and cap is not None:
@@ -387,12 +410,14 @@ def _phrase(cause: str, ctx: Context) -> str:
             return (f"the working set is too large: this process held {format_bytes(f.this_process)} "
                     f"({format_bytes(f.allocated_by_torch)} of it in tensors) and needed "
                     f"{format_bytes(f.requested)} more")
+        tensor = ctx.facts.tensor_requested
+        more = (f"{format_bytes(tensor)} more (a {format_bytes(f.requested)} segment)" if tensor
+                else f"{format_bytes(f.requested)} more")
         if f.allocated_by_torch is not None:
             return (f"the working set is too large: PyTorch held {format_bytes(f.allocated_by_torch)} and "
-                    f"needed {format_bytes(f.requested)} more")
+                    f"needed {more}")
         if ctx.peak is not None:
-            return (f"the working set is too large: the run peaked at {format_bytes(ctx.peak)} and "
-                    f"needed {format_bytes(f.requested)} more")
+            return f"the working set is too large: the run peaked at {format_bytes(ctx.peak)} and needed {more}"
         return f"the cell needs more memory than the {format_bytes(cap)} it may use"
     if cause == "fragmentation":
         return (f"{format_bytes(f.reserved_unallocated)} was cached by PyTorch but unallocated, in pieces "

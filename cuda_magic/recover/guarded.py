@@ -408,7 +408,7 @@ class GuardedRun:
         black box (never what a later attempt or the retry's measuring left)."""
         from cuda_magic.devices.allocator_conf import current_allocator_conf
         from cuda_magic.oom.cell_reading import batch_names
-        from cuda_magic.oom.diagnosis import CellFacts, diagnose
+        from cuda_magic.oom.diagnosis import CellFacts, diagnose, tensor_request
         from cuda_magic.recover.cleanup import shared_holders
 
         report, failure = self.report, self.failure
@@ -436,7 +436,8 @@ class GuardedRun:
             grown=failure.grown if failure is not None else frozenset(),
             by_kind=dict(failure.by_kind or {}) if failure is not None else {},
             held_at_start=start, independent=report.retry is not None and report.retry.independent,
-            backward=failed is not None and failed.phase == "backward")
+            backward=failed is not None and failed.phase == "backward",
+            tensor_requested=tensor_request(report.oom, failed.requested if failed is not None else None))
         return diagnose(report.oom, facts)
 
 
