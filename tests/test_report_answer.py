@@ -243,7 +243,7 @@ def test_or_lines_are_never_cut_inside_a_word():
             label = step.label.removesuffix(" …")
             words = " ".join(step.text.split())
             assert words.startswith(label), (label, words)
-            assert len(label) == len(words) or words[len(label)] in " :;,(", (label, words)
+            assert len(label) == len(words) or words[len(label)] in " :;,(.", (label, words)
             seen += step.label != words.split(":", 1)[0].strip()
     assert seen        # some labels were shortened
     processes = next(s for e in MESSAGES for s in steps(GuardReport(device="cuda:0", outcome="oom",

@@ -141,7 +141,7 @@ def cause(report) -> str:
 def _label(text: str) -> str:
     """A short label for an advice: its words up to the first colon, else up to the end of its first
     clause, never cut inside a word (the whole text is in the folded part)."""
-    head = " ".join(text.split(":", 1)[0].split())
+    head = " ".join(text.split(":", 1)[0].split()).rstrip(".")
     if len(head) <= LABEL_WIDTH:
         return head
     for stop in (" (", "; ", ", ", " - "):      # the first clause that fits
