@@ -273,3 +273,15 @@ def test_a_name_the_cell_reads_first_is_not_advised_to_free(tip, capsys):
     run_ok(tip, "big = torch.zeros(300 * 2**20, dtype=torch.uint8)")
     report = tip.run_cell("%%oomguard --no-raise -q -o\nbig = big + 1").result
     assert not any("%freecuda big" in (a.code or "") for a in report.diagnosis.advice)
+
+
+def test_a_list_the_cell_makes_and_fills_with_losses_is_still_the_leak(tip):
+    """The other side of the step's own values: `losses = []` made by the cell and appended a loss with its
+    graph at every step keeps them all; it stays named, with `.item()`."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL)
+    report = tip.run_cell("%%oomguard --no-raise -q -o\nlosses = []\nfor i in range(400):\n"
+                          "    x = torch.randn(2048, 512)\n    loss = model(x).pow(2).mean()\n    losses.append(loss)\n"
+                          ).result
+    assert "losses" in {h.name for h in report.diagnosis.holders}
+    assert any("losses.append(loss.item())" in (a.code or "") for a in report.diagnosis.advice)

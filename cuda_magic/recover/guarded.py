@@ -312,6 +312,8 @@ class GuardedRun:
         """The names holding memory at the failure, those the failing cell uses (it reads them, or its
         frames hold their modules and optimizers), and the containers that grew during the run."""
         from cuda_magic.ipython import user_variables
+        import collections
+
         from cuda_magic.oom.cell_reading import bound_before_read, names_in
         from cuda_magic.recover.cleanup import shared_holders
 
@@ -322,7 +324,9 @@ class GuardedRun:
         # cell only replaces, so deleting it helps; or a value this run bound, the step's own
         bound = bound_before_read(failure.source) if self._ids else frozenset()
         old = {n for n in bound if n in variables and self._ids.get(n) == id(variables[n])}
-        failure.own = frozenset(n for n in bound if n in variables and n not in old)
+        # (a list or set the run made is a collector that can keep every step's graph: not the step's own)
+        failure.own = frozenset(n for n in bound if n in variables and n not in old
+                                and not isinstance(variables[n], (list, set, collections.deque)))
         failure.in_use = frozenset(n for n, v in variables.items()
                                    if (n in used and n not in old) or id(v) in failure.in_frames)
         failure.ints = tuple((n, v) for n, v in variables.items() if n in used and type(v) is int)
