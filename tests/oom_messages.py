@@ -252,6 +252,21 @@ MESSAGES = [
          backend="cpu", device="cpu",
          text="RuntimeError: $ Torch: not enough memory: you tried to allocate 72GB. Buy new RAM!",
          fields=dict(requested=GiB(72))),
+    # -- quoted in cuda_magic's issue 36 from public reports: the cause sentence left out what held the device
+    dict(source="cuda_magic issue 36 (a torch 1.1 message from a public report: 5.73 GiB outside PyTorch)",
+         kind="oom", backend="cuda", device="cuda:0",
+         text="RuntimeError: CUDA out of memory. Tried to allocate 1.12 MiB (GPU 0; 22.37 GiB total capacity; "
+              "15.87 GiB already allocated; 3.56 MiB free; 787.74 MiB cached)",
+         fields=dict(requested=MiB(1.12), capacity=GiB(22.37), allocated_by_torch=GiB(15.87), free=MiB(3.56),
+                     reserved_unallocated=MiB(787.74), reserved_total=GiB(15.87) + MiB(787.74))),
+    dict(source="cuda_magic issue 36 (a torch 2.4+ message from a public report, quoted with its device "
+                "figures left out: 3.85 GiB of this process outside PyTorch)",
+         kind="oom", backend="cuda", device=None,
+         text="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 132.00 MiB. ... Including "
+              "non-PyTorch memory, this process has 22.90 GiB memory in use. Of the allocated memory 18.70 GiB "
+              "is allocated by PyTorch, and 353.02 MiB is reserved by PyTorch but unallocated.",
+         fields=dict(requested=MiB(132), this_process=GiB(22.90), allocated_by_torch=GiB(18.70),
+                     reserved_unallocated=MiB(353.02), reserved_total=GiB(18.70) + MiB(353.02))),
 ]
 
 # Messages that are not out of memory: the CUDA context is gone and the kernel must restart.

@@ -85,8 +85,10 @@ def test_demo_black_box_names_the_attention_line(executed):
     assert re.search(r"MiB +\d+ +In\[\d+\] line 10 \(forward\), cell line 2 +scores = q @ k.transpose\(-1, -2\)\n", text)
     flat = " ".join(text.split())              # the headline and the cause are wrapped at 100 columns
     # the 25 MiB score matrix (2 x 8 x 640 x 640 floats): torch's message names the segment it could not
-    # reserve, a request of 10 MiB or more rounded up to 2 MiB (get_allocation_size: kRoundLarge)
-    assert "out of memory at `scores = q @ k.transpose(-1, -2)` at In[" in flat and "asked 26.00 MiB" in flat
+    # reserve, a request of 10 MiB or more rounded up to 2 MiB (get_allocation_size: kRoundLarge); the
+    # headline gives the tensor's request and names the segment (issue 36)
+    assert "out of memory at `scores = q @ k.transpose(-1, -2)` at In[" in flat
+    assert "asked 25.00 MiB (a 26.00 MiB segment)" in flat, flat
     # x and the qkv projection sit in one 20 MiB segment (requests of 1 to 10 MiB: kLargeBuffer), whose
     # cached rest cannot hold the 26 MiB block: fragmentation, citing the line that holds the segment
     assert "in pieces too small to use (fragmentation)" in flat, flat

@@ -189,3 +189,80 @@ def test_the_summary_cites_the_line_that_held_the_most():
     d = diagnose(parse_oom_message(FULL_24),
                  top_line=(int(1.2 * GiB), "attn = q @ k.transpose(-1, -2)", "model.py:42"))
     assert "1.20 GiB was alive from `attn = q @ k.transpose(-1, -2)` at model.py:42" in d.summary
+
+
+# -- issue 36: the cause names what holds the device; the lead is what helps most --------------------
+
+def _size(nbytes):
+    from cuda_magic.units import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def test_the_cause_names_memory_outside_pytorch_on_an_old_message():
+    """Issue 36: a torch 1.1 message on a 22.37 GiB card: 15.87 GiB in tensors, 787.74 MiB cached, and the
+    5.73 GiB the message leaves to the rest is outside PyTorch: the cause sentence says so (it said only
+    'PyTorch held 15.87 GiB')."""
+    e = entry("5.73 GiB outside PyTorch")
+    f = e["fields"]
+    d = explain(e["text"])
+    outside = f["capacity"] - f["free"] - f["reserved_total"]
+    assert _size(outside) == "5.73 GiB"
+    assert "15.87 GiB" in d.cause and f"{_size(outside)} is used outside PyTorch" in d.cause, d.cause
+    assert d.advice[0].code.startswith("%%oomguard -r")
+    assert "%gpumem --processes" in codes(d)[:3]
+
+
+def test_the_cause_names_tensors_and_this_process_outside_pytorch():
+    """Issue 36: 132 MiB asked with 18.70 GiB in tensors, 353.02 MiB cached and 22.90 GiB in this process:
+    the cause named only the 353 MiB of fragmentation; it names the 18.70 GiB of tensors and the 3.85 GiB
+    this process holds outside PyTorch, and a smaller batch is among the three things shown."""
+    e = entry("3.85 GiB of this process outside PyTorch")
+    f = e["fields"]
+    d = explain(e["text"])
+    outside = f["this_process"] - f["reserved_total"]
+    assert _size(outside) in ("3.85 GiB", "3.86 GiB")       # the message's figures are rounded to 10 MiB
+    assert "18.70 GiB is in PyTorch's tensors" in d.cause, d.cause
+    assert f"{_size(outside)} is held by this process outside PyTorch" in d.cause, d.cause
+    assert any((c or "").startswith("%%oomguard -r") for c in codes(d)[:3]), codes(d)
+
+
+def test_memory_outside_pytorch_in_this_process_leaves_less_room_for_the_working_set():
+    """With the card's figures (23.65 GiB, 70.56 MiB free) the 3.85 GiB outside PyTorch leaves 19.1 GiB to
+    the tensors: 18.70 GiB and 132 MiB more is a working set too large, named with the cache."""
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 132.00 MiB. GPU 0 has a total capacity "
+            "of 23.65 GiB of which 70.56 MiB is free. Including non-PyTorch memory, this process has 22.90 GiB "
+            "memory in use. Of the allocated memory 18.70 GiB is allocated by PyTorch, and 353.02 MiB is reserved "
+            "by PyTorch but unallocated.")
+    d = explain(text)
+    assert "too_large" in d.causes and "fragmentation" in d.causes
+    assert "18.70 GiB" in d.cause and "held by this process outside PyTorch" in d.cause
+    assert any((c or "").startswith("%%oomguard -r") for c in codes(d)[:3]), codes(d)
+
+
+def test_a_small_cache_part_is_not_named_in_the_cause():
+    """Only material parts: 187 MiB cached of a 23.64 GiB card (0.8%, less than the request) is left out."""
+    d = explain(FULL_24)
+    assert "cached" not in d.cause and "22.01 GiB" in d.cause
+
+
+def test_fragmentation_does_not_lead_for_a_training_step_still_building_its_forward_graph():
+    """Issue 36: the cache could serve the request, but the step failed in its forward pass with the graph's
+    activations holding the tensors: it needs more than it held, and a batch far too large fails there
+    first. The batch leads; expandable_segments follows."""
+    from cuda_magic.oom.cell_reading import read_cell
+    from cuda_magic.oom.diagnosis import CellFacts
+
+    fields = parse_oom_message(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+        "64.00 MiB of which 0 bytes is free. Including non-PyTorch memory, this process has 64.00 MiB memory in "
+        "use. Of the allocated memory 36.72 MiB is allocated by PyTorch, and 27.28 MiB is reserved by PyTorch "
+        "but unallocated.")
+    cell = read_cell("out = model(input_ids=ids, labels=ids)\nout.loss.backward()\nopt.step()")
+    forward = CellFacts(cell=cell, batch_var="bs", by_kind={"activations": 35 * MiB, "other": MiB})
+    d = diagnose(fields, forward)
+    assert d.causes[0] != "fragmentation" and d.advice[0].code.startswith("%%oomguard -r bs"), codes(d)
+    assert any("expandable" in (c or "") for c in codes(d)[:3])
+    # the same figures in the backward pass (the step's peak): the cache stands in the way, it leads
+    backward = CellFacts(cell=cell, batch_var="bs", backward=True, by_kind={"gradients": 36 * MiB})
+    assert diagnose(fields, backward).causes[0] == "fragmentation"

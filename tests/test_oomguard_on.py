@@ -182,3 +182,18 @@ def test_in_a_real_kernel_the_cell_line_is_found():
     assert "In[3] line 2 (make), cell line 1  return torch.ones(n, 1024, 256)" in text
     assert ("out of memory at `return torch.ones(n, 1024, 256)` at In[3] line 2 (make), cell line 2: asked 100.00 MiB"
             in " ".join(text.split()))
+
+
+def test_the_folded_before_is_read_before_the_cell_ran(oip, capsys):
+    """Issue 36: the folded table's 'before' of a cell under `%oomguard on` was read at the failure (91.75 MiB
+    where 3.36 MiB was in use before the cell): it is what the device held when the cell started."""
+    run_ok(oip, "kept = torch.ones(3 * 2**20 // 4)")          # 3 MiB in use before the cell
+    oip.run_line_magic("oomguard", "on")
+    oip.run_cell("acts = [torch.ones(2**20 // 4) for _ in range(40)]\nbig = torch.empty(2**30, dtype=torch.uint8)")
+    capsys.readouterr()
+    oip.run_line_magic("oomguard", "last")
+    full = capsys.readouterr().out
+    lines = full.splitlines()
+    head = lines.index("Memory in use (PyTorch allocated; the process's memory on the CPU)")
+    row = lines[head + 2].split()
+    assert row[0] == "sim:0" and row[1:3] == ["3.00", "MiB"], lines[head:head + 3]   # before: 3 MiB, not 43

@@ -308,3 +308,49 @@ def test_a_trainer_hears_its_own_arguments_and_its_retry_ends_as_one_clean_run(l
     run_ok(llama, "from IPython.utils.capture import capture_output\nwith capture_output():\n"
                   + "".join("    " + line + "\n" for line in TRAINER_CELL.splitlines()))
     assert llama.user_ns["same"](after, llama.user_ns["fingerprint"]())
+
+
+def test_under_oomguard_on_the_steps_own_out_is_not_called_a_leak(llama, capsys):
+    """Issue 36: under `%oomguard on` the Llama step runs out in `out.loss.backward()`; `out` is the output
+    this step bound and still needs (its graph is what the backward pass walks), not a leak: no
+    "keeps the autograd graph of every step alive", no `del out`; the batch leads."""
+    llama.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(llama, "reset()\nbs = 104")
+    llama.run_line_magic("oomguard", "on")
+    capsys.readouterr()
+    llama.run_cell(LLAMA_CELL)
+    out = capsys.readouterr().out
+    assert "out of memory at cell line 5 `out.loss.backward()`" in " ".join(out.split()), out
+    assert "every step alive" not in out and "Notebook names keep" not in out, out
+    assert "%freecuda out" not in out
+    assert "Do this: Use a smaller batch" in out
+    flat = " ".join(out.split())
+    assert "needed" in flat and "MiB more (a 20.00 MiB segment)" in flat     # the tensor's request, the segment named
+
+
+def test_generate_advice_offers_fewer_tokens_than_the_cell_asks_for(tip, capsys):
+    """Issue 36: `max_new_tokens=128` was offered to a cell that asks for 48: the line to paste is the
+    cell's own `generate` call with fewer (half), its min_new_tokens no more than that."""
+    run_ok(tip, GENERATE)
+    tip.run_line_magic("gpumem", f"--simulate {GENERATE_CAP} -q")
+    run_ok(tip, "bs = 1024")
+    report = guarded(tip, "", GENERATE_CELL)
+    tokens = next(a for a in report.diagnosis.advice if "fewer new tokens" in a.text)
+    assert tokens.code == "out = model.generate(prompts, max_new_tokens=24, min_new_tokens=24, do_sample=False)"
+    assert "128" not in " ".join(codes(report))
+
+
+def test_a_generation_length_is_not_offered_as_the_batch_to_retry(tip, capsys):
+    """Issue 36: `-r n` was offered where `n` is the cell's max_new_tokens (pasted: two failed runs, then
+    "does not depend on n"): a name read only as a generation length or a loop bound is no batch; the
+    number of prompts is a literal here, so no `-r` line names a variable the cell has, and `n = 24` (fewer
+    tokens) is offered instead."""
+    run_ok(tip, GENERATE)
+    tip.run_line_magic("gpumem", f"--simulate {GENERATE_CAP} -q")
+    run_ok(tip, "n = 48")
+    cell = ("prompts = torch.randint(1, 512, (1024, 16))\nwith torch.no_grad():\n"
+            "    for _ in range(2):\n        out = model.generate(prompts, max_new_tokens=n, do_sample=False)\n")
+    report = guarded(tip, "", cell)
+    assert report.outcome == "oom"
+    assert not any("-r n" in c for c in codes(report)), codes(report)
+    assert "n = 24" in codes(report)

@@ -184,3 +184,104 @@ def test_the_widget_puts_the_answer_before_the_black_box(tip):
     shown = [c for c in w.widget.children if c.layout.display != "none"]
     assert shown[:4] == [w.title, w.diagnosis, w.blackbox, w.details]
     assert "Do this:" in w.diagnosis.value and "cuda-magic-timeline" in w.blackbox.value
+
+
+# -- issue 36: the report after a retry, the request, the "Or:" lines ---------------------------------
+
+TWO_LINES = """%%oomguard -r bs -o
+a = torch.empty(bs, 2**20, dtype=torch.uint8)
+b = torch.empty(200 * 2**20, dtype=torch.uint8)
+"""
+
+
+def test_after_a_retry_the_headline_names_one_attempt_its_value_its_line_its_sizes(tip, capsys):
+    """Issue 36: bs=512 runs out at line 1 asking 512 MiB; the smaller values run out at line 2 asking 200 MiB.
+    The headline joined line 2's request with 'at bs=512'; it names the attempt it explains (the last that ran
+    out, as the cause and the black box do): its value, its line, its request."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, "bs = 512")
+    capsys.readouterr()
+    report = tip.run_cell(TWO_LINES).result
+    out = _flat(capsys.readouterr().out.split("%%oomguard: ")[1].split("\nbs = ")[0])
+    failed = [a for a in report.attempts if a.outcome == "oom"]
+    assert report.outcome == "recovered" and failed[0].value == 512 and failed[0].requested == 512 * 2**20
+    last = failed[-1]
+    assert last.requested == 200 * 2**20 and last.value != 512
+    assert "cell line 2 `b = torch.empty(200 * 2**20, dtype=torch.uint8)`: asked 200.00 MiB" in out, out
+    assert out.endswith(f"at bs={last.value}"), out
+    assert "bs=512" not in out
+
+
+def test_the_headline_gives_the_tensors_request_and_labels_the_segment(tip, capsys):
+    """Issue 36: a 5.38 MiB tensor that does not fit: torch's message (and the simulated device's) states the
+    20 MiB segment the allocator tried to reserve for it; the headline gives the tensor's request, and the
+    segment only as such."""
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, "held = torch.empty(56 * 2**20, dtype=torch.uint8)")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\nsmall = torch.empty(int(5.38 * 2**20), dtype=torch.uint8)").result
+    out = _flat(capsys.readouterr().out)
+    assert report.oom.requested == 20 * 2**20
+    assert int(5.38 * 2**20) <= report.blackbox.failure.requested < int(5.38 * 2**20) + 512     # its block
+    assert ": asked 5.38 MiB (a 20.00 MiB segment), " in out, out
+    assert "asked 20.00 MiB" not in out
+    assert "tried to allocate 5.38 MiB (a 20.00 MiB segment)" in report.diagnosis.summary, report.diagnosis.summary
+
+
+def test_or_lines_are_never_cut_inside_a_word():
+    """Issue 36: the 'Or:' lines were cut at 80 characters ('(another notebo…'): each label ends at a word,
+    at the end of a clause where one fits, and the whole advice stays in the folded part."""
+    from cuda_magic.display.answer import steps
+    from cuda_magic.oom.diagnosis import explain
+    from cuda_magic.recover.report import GuardReport
+    from oom_messages import MESSAGES
+
+    seen = 0
+    for entry in MESSAGES:
+        report = GuardReport(device="cuda:0", outcome="oom", diagnosis=explain(entry["text"]))
+        for step in steps(report, count=5):
+            label = step.label.removesuffix(" …")
+            words = " ".join(step.text.split())
+            assert words.startswith(label), (label, words)
+            assert len(label) == len(words) or words[len(label)] in " :;,(.", (label, words)
+            seen += step.label != words.split(":", 1)[0].strip()
+    assert seen        # some labels were shortened
+    processes = next(s for e in MESSAGES for s in steps(GuardReport(device="cuda:0", outcome="oom",
+                                                                    diagnosis=explain(e["text"])), count=5)
+                     if s.code == "%gpumem --processes")
+    assert processes.label == "See which processes use the GPU and close those you do not need"
+
+
+def test_a_name_the_cell_only_rebinds_is_among_what_to_free(tip, capsys):
+    """Issue 36: `big = torch.empty(...)` while the old `big` holds 300 MiB: the cell never reads the old
+    value, it only replaces it, and deleting it first makes the new one fit: `%freecuda big` is the thing to
+    do (the name dropped out of "free these" because the cell uses the name)."""
+    tip.run_line_magic("gpumem", "--simulate 512MiB -q")
+    run_ok(tip, "big = torch.empty(300 * 2**20, dtype=torch.uint8)")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\nbig = torch.empty(300 * 2**20, dtype=torch.uint8)").result
+    out = capsys.readouterr().out
+    assert "big" in {h.name for h in report.diagnosis.holders}
+    do = out.split("Do this:")[1].split("\nOr:")[0]
+    assert "    %freecuda big" in do.splitlines(), out
+    assert "big" in tip.user_ns            # named, never deleted
+
+
+def test_a_name_the_cell_reads_first_is_not_advised_to_free(tip, capsys):
+    """The other side: `big = big + 1` reads the old `big`: the cell needs it, it is not offered to delete."""
+    tip.run_line_magic("gpumem", "--simulate 512MiB -q")
+    run_ok(tip, "big = torch.zeros(300 * 2**20, dtype=torch.uint8)")
+    report = tip.run_cell("%%oomguard --no-raise -q -o\nbig = big + 1").result
+    assert not any("%freecuda big" in (a.code or "") for a in report.diagnosis.advice)
+
+
+def test_a_list_the_cell_makes_and_fills_with_losses_is_still_the_leak(tip):
+    """The other side of the step's own values: `losses = []` made by the cell and appended a loss with its
+    graph at every step keeps them all; it stays named, with `.item()`."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL)
+    report = tip.run_cell("%%oomguard --no-raise -q -o\nlosses = []\nfor i in range(400):\n"
+                          "    x = torch.randn(2048, 512)\n    loss = model(x).pow(2).mean()\n    losses.append(loss)\n"
+                          ).result
+    assert "losses" in {h.name for h in report.diagnosis.holders}
+    assert any("losses.append(loss.item())" in (a.code or "") for a in report.diagnosis.advice)

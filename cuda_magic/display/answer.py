@@ -17,6 +17,7 @@ from cuda_magic.units import format_bytes
 STEPS = 3                 # things to do shown unfolded: the first in full, the next ones as short lines
 TOP_LINES = 3             # rows of the black box's by-line table shown unfolded
 CODE_WIDTH = 70           # the failing line's code in the headline, at most
+LABEL_WIDTH = 80          # an "Or:" line's label, at most: cut at a word (the whole advice is folded)
 MORE_TEXT = "%oomguard last"     # what the text form says shows the rest
 
 
@@ -54,11 +55,15 @@ def where_words(report) -> str:
     return (f.function or "code outside the cell") + (f" ({f.filename})" if shown_file else "")
 
 
-def asked_words(oom) -> str:
-    """'asked 300.00 MiB, 119.99 MiB free of 256.00 MiB'; '' where the message gives no figures."""
+def asked_words(oom, tensor: int | None = None) -> str:
+    """'asked 300.00 MiB, 119.99 MiB free of 256.00 MiB'; '' where the message gives no figures. `tensor`: the
+    tensor's own request where the black box saw it and the message gives the segment the allocator tried to
+    reserve for it instead ('asked 5.38 MiB (a 20.00 MiB segment), ...')."""
     if oom is None or oom.requested is None:
         return ""
     words = f"asked {format_bytes(oom.requested)}"
+    if tensor is not None and format_bytes(tensor) != format_bytes(oom.requested):
+        words = f"asked {format_bytes(tensor)} (a {format_bytes(oom.requested)} segment)"
     if oom.free is not None:
         words += f", {format_bytes(oom.free)} free"
         if oom.capacity is not None:
@@ -103,12 +108,27 @@ def headline(report, running: bool = False, trying=None) -> str:
     if report.outcome not in ("oom", "recovered") or report.oom is None:
         return guard_title(report)
     where = where_words(report)
-    asked = asked_words(report.oom)
+    asked = asked_words(report.oom, tensor_asked(report))
     failed = "out of memory" + (f" at {where}" if where else "") + (f": {asked}" if asked else "")
     if report.outcome == "recovered":
+        # the failure shown (its line, its sizes: the report's `oom` and `failure`) is the last attempt's that
+        # ran out: name its value (the next line says what the value was at first)
         var = report.variable
-        return f"{src}: fits at {var}={report.final_value}; ran {failed} at {var}={report.original_value}"
+        failed_values = [a.value for a in report.attempts if a.outcome == "oom" and a.value is not None]
+        value = failed_values[-1] if failed_values else report.original_value
+        return f"{src}: fits at {var}={report.final_value}; ran {failed} at {var}={value}"
     return f"{src}: {failed}; {back_words(report)}"
+
+
+def tensor_asked(report) -> int | None:
+    """The failing tensor's own request, where the black box recorded the failure the message states and the
+    message gives what the allocator tried to reserve for it (on CUDA, a whole segment: 20 MiB for a 5 MiB
+    tensor), which the headline then labels as the segment."""
+    from cuda_magic.oom.diagnosis import tensor_request
+
+    box = report.blackbox
+    failed = box.failure if box is not None else None
+    return tensor_request(report.oom, failed.requested if failed is not None else None)
 
 
 def cause(report) -> str:
@@ -120,8 +140,19 @@ def cause(report) -> str:
 
 
 def _label(text: str) -> str:
-    head = text.split(":", 1)[0].strip()
-    return head if len(head) <= 80 else shorten(text, 80)
+    """A short label for an advice: its words up to the first colon, else up to the end of its first
+    clause, never cut inside a word (the whole text is in the folded part)."""
+    head = " ".join(text.split(":", 1)[0].split()).rstrip(".")
+    if len(head) <= LABEL_WIDTH:
+        return head
+    for stop in (" (", "; ", ", ", " - "):      # the first clause that fits
+        cut = head.find(stop)
+        if 0 < cut <= LABEL_WIDTH:
+            clause = head[:cut].rstrip(" ,;")
+            if len(clause) >= LABEL_WIDTH // 3:
+                return clause
+    cut = head.rfind(" ", 0, LABEL_WIDTH)
+    return (head[:cut] if cut > 0 else head[:LABEL_WIDTH]).rstrip(" ,;(") + " …"
 
 
 def steps(report, count: int = STEPS) -> list[Step]:

@@ -158,8 +158,22 @@ def _sequences(ctx):
 
 
 def _generation(ctx):
-    return Advice("Generate fewer new tokens, or cut long prompts: every generated token adds to the "
-                  "attention and the cache.", "model.generate(**inputs, max_new_tokens=128)")
+    """Fewer new tokens than the cell asks for: half of its max_new_tokens, in its own `generate` line (or
+    its name for it); never a number where the cell's is not known, which could be more than it asks."""
+    text = "Generate fewer new tokens, or cut long prompts: every generated token adds to the attention and the cache."
+    cell = ctx.facts.cell
+    n = cell.new_tokens
+    if n is None:
+        return Advice(text + " Lower `max_new_tokens` in the `generate` call.", None)
+    if n <= 1:
+        return None
+    fewer = n // 2
+    if cell.new_tokens_name:
+        return Advice(f"{text} The cell asks for {n}: half as many,", f"{cell.new_tokens_name} = {fewer}")
+    call = re.sub(r"\b(max_new_tokens\s*=\s*)\d+", lambda m: f"{m.group(1)}{fewer}", cell.generate_call)
+    call = re.sub(r"\b(min_new_tokens\s*=\s*)(\d+)",
+                  lambda m: f"{m.group(1)}{min(int(m.group(2)), fewer)}", call)
+    return Advice(f"{text} The cell asks for {n}: half as many,", call or f"max_new_tokens={fewer}")
 
 
 def _kv_cache(ctx):

@@ -65,11 +65,14 @@ class CellFacts:
     top_line: tuple[int, str, str] | None = None
     cell: CellReading = CellReading()     # what the failing cell's source (and its functions) already does
     in_use: frozenset = frozenset()       # names the failing cell uses: never advised to delete
+    own: frozenset = frozenset()          # names the failing run bound itself: its working set, never a leak
     grown: frozenset | None = None        # containers that grew during the run; None: not known
     by_kind: dict = field(default_factory=dict)   # memory.kinds: the device's tensors by kind at the failure
     held_at_start: int | None = None      # allocated when the run began (a -l cap counts it too)
     independent: bool = False             # the retry found that the memory does not depend on batch_var
     backward: bool = False                # it ran out in the backward pass
+    tensor_requested: int | None = None   # the failing tensor's own request, where the message states the
+                                          # segment the allocator tried to reserve for it (`tensor_request`)
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,10 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
         kept = held_total if "names_holding" in found else 0
         too_large = free is not None and shortfall > recoverable
         if working is not None and capacity:
-            room = capacity - found.get("other_processes", 0)
-            too_large = too_large or max(0, working - kept) + request >= _TIGHT * room
+            too_large = too_large or max(0, working - kept) + request >= _TIGHT * _room(fields, capacity, found)
+        # the cache stood in the way of a step still building its forward graph: what it needs at its peak
+        # is more than it held, so the working set is named too (and the batch advised first)
+        too_large = too_large or (working is not None and "fragmentation" in found and _building_forward(facts))
         if too_large:
             found["too_large"] = max(0, (working or 0) - kept) + request
 
@@ -186,7 +191,7 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
         causes.remove("names_holding")
         causes.insert(0, "names_holding")
     elif ("fragmentation" in found and request is not None and cached >= request
-          and (free is None or free < request)):
+          and (free is None or free < request) and _tensors_alone_fit(fields, facts, capacity, found, working)):
         causes.remove("fragmentation")        # the cache alone could have served the request
         causes.insert(0, "fragmentation")
     if plenty_free:
@@ -202,6 +207,60 @@ def diagnose(fields: OomFields, facts: CellFacts | None = None, **known) -> Diag
     return Diagnosis(causes=causes, summary=summary, advice=advise(ctx), holders=held, cause=cause)
 
 
+_SEGMENTED = ("cuda", "hip", "simulated")   # allocators whose message states the segment, not the tensor
+
+
+def tensor_request(fields: OomFields | None, recorded: int | None) -> int | None:
+    """The failing tensor's own request, where the black box `recorded` it and the message states instead
+    the segment torch's caching allocator tried to reserve for it (20 MiB for a 5.38 MiB tensor); None
+    where they are the same, or not the same failure."""
+    from cuda_magic.devices.caching_allocator import segment_asked
+
+    if fields is None or fields.requested is None or recorded is None or fields.backend not in _SEGMENTED:
+        return None
+    if recorded == fields.requested:
+        return None
+    # the message's figure has two decimals of its unit
+    if abs(segment_asked(recorded) - fields.requested) <= max(10 * 1024, fields.requested // 1000):
+        return recorded
+    return None
+
+
+def outside_torch(fields: OomFields) -> int | None:
+    """What this process holds on the device outside PyTorch's cache (its CUDA context, cuBLAS and cuDNN
+    workspaces, another library's memory), where the message states this process's total (torch 2.1+)."""
+    if fields.backend == "mps" or None in (fields.this_process, fields.reserved_total):
+        return None
+    return max(0, fields.this_process - fields.reserved_total)
+
+
+def _room(fields: OomFields, capacity: int, found: dict[str, int]) -> int:
+    """What PyTorch's tensors can have of the capacity: less what other processes and this process outside
+    PyTorch hold."""
+    return capacity - found.get("other_processes", 0) - (outside_torch(fields) or 0)
+
+
+def _tensors_alone_fit(fields: OomFields, facts: CellFacts, capacity, found, working) -> bool:
+    """Whether the tensors alone (without the unusable cache) would have had room for the request, at the
+    point where the step's memory stops growing: never said of a training step that failed while its forward
+    pass was still building the graph it will go back through (the graph's activations hold most of the
+    tensors, and it has not run backward): that step needs more than it held at the failure, and a batch
+    several times too large fails there first."""
+    if _building_forward(facts):
+        return False
+    if working is None or not capacity or fields.requested is None:
+        return True
+    return working + fields.requested <= _room(fields, capacity, found)
+
+
+def _building_forward(facts: CellFacts) -> bool:
+    """A training step that failed in its forward pass: the cell goes backward, it had not, and the graph's
+    activations held most of the tensors at the failure."""
+    kinds = sum(facts.by_kind.values())
+    return bool(facts.cell.backward and not facts.backward and not facts.inference and kinds
+                and facts.by_kind.get("activations", 0) >= 0.5 * kinds)
+
+
 def _as_holder(h) -> Holder:
     if isinstance(h, Holder):
         return h
@@ -215,6 +274,8 @@ def _listed(holders, shortfall: int | None, facts: CellFacts) -> list[Holder]:
     it alone would make the request fit, and never a module or optimizer the cell uses."""
     out = []
     for h in map(_as_holder, holders):
+        if h.name in facts.own:
+            continue   # `out = model(x)` bound by the failing step: what it still needs, in its working set
         if h.bytes <= 0 and not (h.kind == "graph" and h.shared > 0):
             continue   # nothing of its own: unless it keeps graphs that other names keep too (logged losses
                        # and collected outputs of the same steps), which go only when all of them go
@@ -254,7 +315,9 @@ def _summary(ctx: Context) -> tuple[str, str]:
     head = "Possibly out of memory" if f.possible else "Out of memory"
     first = f"{head} on {_where(f)}"
     if f.requested is not None:
-        first += f": tried to allocate {format_bytes(f.requested)}"
+        tensor = ctx.facts.tensor_requested
+        first += (f": tried to allocate {format_bytes(tensor)} (a {format_bytes(f.requested)} segment)" if tensor
+                  else f": tried to allocate {format_bytes(f.requested)}")
         if ctx.limited:
             first += f", with {format_bytes(cap)} allowed to this process"
         elif f.free is not None and cap is not None:
@@ -267,9 +330,13 @@ def _summary(ctx: Context) -> tuple[str, str]:
         nbytes, code, where = top
         phrases[0] += f"; {format_bytes(nbytes)} was alive from `{code}` at {where}"
     second = phrases[0] if phrases[0].startswith("cu") else phrases[0][:1].upper() + phrases[0][1:]
-    cause = second
+    unnamed = _parts_unnamed(ctx, ctx.causes[:1])
+    cause = second + (f"; {_parts_phrase(ctx, unnamed)}" if unnamed else "")
     if len(phrases) > 1:
         second += "; also " + "; ".join(phrases[1:])
+    rest = _parts_unnamed(ctx, ctx.causes)
+    if rest:
+        second += f"; {_parts_phrase(ctx, rest)}"
     if ctx.facts.independent:
         what = (f"`{top[1]}` at {top[2]} ({format_bytes(top[0])})" if top is not None
                 else "what the figures above name")
@@ -277,6 +344,51 @@ def _summary(ctx: Context) -> tuple[str, str]:
                   f"value, and what fills the device is {what}. {second}")
         cause = second
     return f"{first}. {second}.", f"{cause}."
+
+
+def _parts(ctx: Context) -> dict[str, int]:
+    """What holds the device, by part, in bytes, where the message says: 'tensors' (PyTorch's tensors),
+    'cache' (cached by PyTorch but unallocated), 'outside' (this process outside PyTorch), 'others' (other
+    processes; for messages before torch 2.1, everything outside PyTorch)."""
+    f = ctx.fields
+    parts = {"tensors": f.allocated_by_torch, "cache": f.reserved_unallocated, "outside": outside_torch(f)}
+    others, _ = _others(f, ctx.capacity if not ctx.limited else None)
+    parts["others"] = others
+    return {k: v for k, v in parts.items() if v}
+
+
+# which parts a cause's phrase already names
+_NAMES = {"too_large": ("tensors",), "fragmentation": ("cache",), "other_processes": ("others",),
+          "names_holding": ("tensors",), "graphs_in_evaluation": ("tensors",)}
+
+
+def _parts_unnamed(ctx: Context, causes) -> list[tuple[str, int]]:
+    """The parts holding a material share of the device (a significant share of it, or enough that freeing
+    them alone would make the request fit) that the phrases of `causes` do not name, largest first."""
+    f, cap = ctx.fields, ctx.capacity or ctx.fields.this_process
+    if not cap or "request_exceeds_capacity" in causes or "cap_below_held" in causes:
+        return []
+    shortfall = max(0, f.requested - f.free) if f.requested is not None and f.free is not None else None
+    named = {p for c in causes for p in _NAMES.get(c, ())}
+    if ctx.found.get("too_large") and "too_large" in causes and f.allocated_by_torch is None:
+        named.add("tensors")
+    out = [(k, v) for k, v in _parts(ctx).items() if k not in named
+           and (v >= _SHARE * cap or (k != "tensors" and shortfall and v >= shortfall))]
+    return sorted(out, key=lambda kv: -kv[1])
+
+
+def _parts_phrase(ctx: Context, parts) -> str:
+    words = {"tensors": "{} is in PyTorch's tensors",
+             "cache": "{} is cached by PyTorch but unallocated",
+             "outside": "{} is held by this process outside PyTorch (its CUDA context, cuBLAS/cuDNN workspaces, "
+                        "other libraries)",
+             "others": ("{} is used outside PyTorch (other processes, or libraries in this one)"
+                        if ctx.others_estimated else "{} is held by other processes")}
+    listed = [words[k].format(format_bytes(v)) for k, v in parts]
+    joined = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
+    if ctx.capacity:
+        return f"of the {format_bytes(ctx.capacity)}, {joined}"
+    return f"of the {format_bytes(ctx.fields.this_process)} this process holds, {joined}"
 
 
 def _phrase(cause: str, ctx: Context) -> str:
@@ -298,12 +410,14 @@ def _phrase(cause: str, ctx: Context) -> str:
             return (f"the working set is too large: this process held {format_bytes(f.this_process)} "
                     f"({format_bytes(f.allocated_by_torch)} of it in tensors) and needed "
                     f"{format_bytes(f.requested)} more")
+        tensor = ctx.facts.tensor_requested
+        more = (f"{format_bytes(tensor)} more (a {format_bytes(f.requested)} segment)" if tensor
+                else f"{format_bytes(f.requested)} more")
         if f.allocated_by_torch is not None:
             return (f"the working set is too large: PyTorch held {format_bytes(f.allocated_by_torch)} and "
-                    f"needed {format_bytes(f.requested)} more")
+                    f"needed {more}")
         if ctx.peak is not None:
-            return (f"the working set is too large: the run peaked at {format_bytes(ctx.peak)} and "
-                    f"needed {format_bytes(f.requested)} more")
+            return f"the working set is too large: the run peaked at {format_bytes(ctx.peak)} and needed {more}"
         return f"the cell needs more memory than the {format_bytes(cap)} it may use"
     if cause == "fragmentation":
         return (f"{format_bytes(f.reserved_unallocated)} was cached by PyTorch but unallocated, in pieces "

@@ -64,6 +64,19 @@ def container_lengths(shell, names=None) -> dict[str, tuple[int, int]]:
     return found
 
 
+def value_ids(shell, names=None) -> dict[str, int] | None:
+    """The id of each user name's value (only `names`, where given; None without a shell): at a failure,
+    which names the run bound."""
+    if shell is None:
+        return None
+    from cuda_magic.ipython import user_variables
+
+    if names is None:
+        return {n: id(v) for n, v in user_variables(shell).items()}
+    namespace = shell.user_ns
+    return {n: id(namespace[n]) for n in names if n in namespace}
+
+
 def container_length(value) -> int | None:
     """The length of a list, dict, set or deque; None for anything else."""
     if type(value) in (list, dict, set) or type(value).__name__ == "deque":

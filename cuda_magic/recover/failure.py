@@ -48,6 +48,8 @@ class Failure:
     in_use: frozenset = frozenset()      # the namespace's names the failing cell used
     grown: frozenset = frozenset()       # the namespace's containers that grew during the run
     ints: tuple = ()               # (name, value) of the integer names the failing cell reads: its batch
+    own: frozenset = frozenset()         # the names the failing run bound itself (`out = model(x)`): the
+                                         # step's own values, part of its working set, never a leak
 
 
 def kind_of(exc: BaseException) -> Outcome:

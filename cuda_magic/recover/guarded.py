@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from cuda_magic.devices.meter import autocast, capacity_of, metered_devices
-from cuda_magic.recover.containers import container_length, container_lengths, reached_names
+from cuda_magic.recover.containers import container_length, container_lengths, reached_names, value_ids
 from cuda_magic.recover.failure import (Failure, cell_filename_of, error_text, kind_of, read_counter, read_failure,
                                         release_failure, short_oom_error)
 from cuda_magic.recover.report import Attempt, GuardReport, Outcome
@@ -121,9 +121,11 @@ class GuardedRun:
         self.why = ""                   # why the value about to run was chosen (the retry policy's words)
         self._started = self._finished = False
         self._lengths: dict[str, tuple[int, int]] = {}     # containers' (id, length) when the run began
+        self._ids: dict[str, int] | None = {}   # the id of each watched name's value when the run began
         self._block = None              # begin() / record(): (start allocated, t0, the entered contexts,
                                         # whether the device's peak counter was reset for the run)
         self._counters_read = True      # the attempts' peaks are the device's counters
+        self._before_counters = (None, None)    # record(): allocated and reserved before the cell ran
 
     # -- a call the core runs -------------------------------------------------------------------------
     def run(self, call) -> GuardResult:
@@ -213,10 +215,15 @@ class GuardedRun:
         nothing else is touched (the device's own peak counter is the user's). Then `end(exc)`, or
         `discard()`."""
         self._started = True
-        self._lengths = container_lengths(self.shell, self._watched_names(source))
+        names = self._watched_names(source)
+        self._lengths = container_lengths(self.shell, names)
+        self._ids = value_ids(self.shell, names)
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
-        self._block = (read_counter(self.meter.allocated), time.perf_counter(), ExitStack(), False)
+        # the device before the cell: two counters now (cheap for every cell), the rest read at a failure
+        reserved = getattr(self.meter, "reserved", None)
+        self._before_counters = (read_counter(self.meter.allocated), read_counter(reserved) if reserved else None)
+        self._block = (self._before_counters[0], time.perf_counter(), ExitStack(), False)
 
     def discard(self) -> None:
         """The cell fitted and nobody asked for its report: stop recording, read nothing."""
@@ -231,8 +238,8 @@ class GuardedRun:
         __tracebackhide__ = True  # noqa: F841
         block, self._block = self._block, None
         self._started = True
-        if not self.report.before:          # a cell IPython ran, read at the failure: it has already run
-            self.report.before = metered_devices(self.meter)
+        if not self.report.before:          # a cell IPython ran: its devices read now, its counters before it
+            self.report.before = _as_before(metered_devices(self.meter), self._before_counters)
         start, t0, stack, measured = block if block is not None else (None, time.perf_counter(), ExitStack(), False)
         stack.close()
         self._counters_read = measured
@@ -311,13 +318,23 @@ class GuardedRun:
         """The names holding memory at the failure, those the failing cell uses (it reads them, or its
         frames hold their modules and optimizers), and the containers that grew during the run."""
         from cuda_magic.ipython import user_variables
-        from cuda_magic.oom.cell_reading import names_in
+        import collections
+
+        from cuda_magic.oom.cell_reading import bound_before_read, names_in
         from cuda_magic.recover.cleanup import shared_holders
 
         variables = user_variables(self.shell)
         failure.holders = tuple(shared_holders(self.shell))
         used = names_in(failure.source)
-        failure.in_use = frozenset(n for n, v in variables.items() if n in used or id(v) in failure.in_frames)
+        # a name the cell binds before it reads: still its old value (the cell had not got there), which the
+        # cell only replaces, so deleting it helps; or a value this run bound, the step's own
+        bound = bound_before_read(failure.source) if self._ids is not None else frozenset()
+        old = {n for n in bound if n in variables and self._ids.get(n) == id(variables[n])}
+        # (a list or set the run made is a collector that can keep every step's graph: not the step's own)
+        failure.own = frozenset(n for n in bound if n in variables and n not in old
+                                and not isinstance(variables[n], (list, set, collections.deque)))
+        failure.in_use = frozenset(n for n, v in variables.items()
+                                   if (n in used and n not in old) or id(v) in failure.in_frames)
         failure.ints = tuple((n, v) for n, v in variables.items() if n in used and type(v) is int)
         failure.grown = frozenset(n for n, (ident, length) in self._lengths.items()
                                   if id(variables.get(n)) == ident and container_length(variables[n]) > length)
@@ -349,7 +366,9 @@ class GuardedRun:
         if self._started:
             return
         self._started = True
-        self._lengths = container_lengths(self.shell, self._watched_names())
+        names = self._watched_names()
+        self._lengths = container_lengths(self.shell, names)
+        self._ids = value_ids(self.shell, names)
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -422,7 +441,7 @@ class GuardedRun:
         black box (never what a later attempt or the retry's measuring left)."""
         from cuda_magic.devices.allocator_conf import current_allocator_conf
         from cuda_magic.oom.cell_reading import batch_names
-        from cuda_magic.oom.diagnosis import CellFacts, diagnose
+        from cuda_magic.oom.diagnosis import CellFacts, diagnose, tensor_request
         from cuda_magic.recover.cleanup import shared_holders
 
         report, failure = self.report, self.failure
@@ -433,7 +452,8 @@ class GuardedRun:
         start = report.attempts[-1].start_allocated if report.attempts else None
         batch_var, accum_var = report.variable, report.accumulate
         if batch_var is None and failure is not None:     # the cell's own names, for a line to paste
-            batch_var, guessed_accum = batch_names(dict(failure.ints), failure.point.text if failure.point else "")
+            batch_var, guessed_accum = batch_names(dict(failure.ints), failure.point.text if failure.point else "",
+                                                   failure.source)
             accum_var = accum_var or guessed_accum
         facts = CellFacts(
             holders=tuple(holders), amp=self.options.amp is not None,
@@ -445,11 +465,33 @@ class GuardedRun:
             top_line=(top.bytes, top.code, top.where) if top is not None and top.code else None,
             cell=_cell_reading(failure),
             in_use=failure.in_use if failure is not None else frozenset(),
+            own=failure.own if failure is not None else frozenset(),
             grown=failure.grown if failure is not None else frozenset(),
             by_kind=dict(failure.by_kind or {}) if failure is not None else {},
             held_at_start=start, independent=report.retry is not None and report.retry.independent,
-            backward=failed is not None and failed.phase == "backward")
+            backward=failed is not None and failed.phase == "backward",
+            tensor_requested=tensor_request(report.oom, failed.requested if failed is not None else None))
         return diagnose(report.oom, facts)
+
+
+def _as_before(devices: list, counters) -> list:
+    """The device as it was before a cell IPython ran (`%oomguard on`), from its reading at the failure and
+    the allocated and reserved counters read before the cell: what the cell allocated and cached is not
+    'before' (the folded table showed 91.75 MiB before a cell that started from 3.36 MiB)."""
+    import dataclasses
+
+    allocated, reserved = counters
+    if allocated is None:
+        return devices
+    out = []
+    for d in devices:
+        changes = {"torch_allocated": allocated}
+        if reserved is not None and reserved >= allocated:
+            changes["torch_cached"] = reserved - allocated
+            if None not in (d.free, d.torch_allocated, d.torch_cached):
+                changes["free"] = max(0, d.free + d.torch_allocated + d.torch_cached - reserved)
+        out.append(dataclasses.replace(d, **changes, peak=None))
+    return out
 
 
 def _start_recording(meter, filename: str | None, *, find_cell: bool = False):
@@ -483,6 +525,9 @@ def _cell_reading(failure):
     if failure is None:
         return read_cell("")
     reading = read_cell(failure.source)
+    tokens = dict(failure.ints).get(reading.new_tokens_name) if reading.new_tokens_name else None
+    if type(tokens) is int:                 # `max_new_tokens=n`: n's value when it failed
+        reading = dataclasses.replace(reading, new_tokens=tokens)
     if failure.trains or failure.trainer is not None:
         reading = dataclasses.replace(reading, backward=reading.backward or failure.trains, trainer=failure.trainer)
     return reading
