@@ -257,14 +257,16 @@ def test_the_text_and_html_forms_draw_from_layout_only():
     assert answer <= {"cuda_magic.display.layout", "cuda_magic.display.elements", "cuda_magic.display.blackbox_view"}
 
 
-def test_the_readme_architecture_names_real_modules_and_every_layer():
+def test_the_architecture_doc_names_real_modules_and_every_layer():
     import re
 
     readme = (PACKAGE.parent / "README.md").read_text()
-    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section))
-    missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (PACKAGE.parent / p).exists())
-    assert not missing, f"README's Architecture names modules that do not exist: {missing}"
+    assert "docs/architecture.md" in readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    for section in (readme.split("## Architecture", 1)[1].split("\n## ", 1)[0],
+                    (PACKAGE.parent / "docs" / "architecture.md").read_text()):
+        named = set(re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section))
+        missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (PACKAGE.parent / p).exists())
+        assert not missing, f"the Architecture names modules that do not exist: {missing}"
     for layer in LAYERS:
         if layer != "__init__":
-            assert f"`{layer}/`" in section or f"`{layer}.py`" in section, f"README's Architecture lacks {layer}"
+            assert f"`{layer}/`" in section or f"`{layer}.py`" in section, f"docs/architecture.md lacks {layer}"
