@@ -250,6 +250,10 @@ def test_or_lines_are_never_cut_inside_a_word():
                                                                     diagnosis=explain(e["text"])), count=5)
                      if s.code == "%gpumem --processes")
     assert processes.label == "See which processes use the GPU and close those you do not need"
+    expandable = next(s for e in MESSAGES for s in steps(GuardReport(device="cuda:0", outcome="oom",
+                                                                     diagnosis=explain(e["text"])), count=5)
+                      if s.code and "expandable" in s.code)
+    assert expandable.label == "Switch on expandable_segments", expandable.label   # its first clause, no " …"
 
 
 def test_a_name_the_cell_only_rebinds_is_among_what_to_free(tip, capsys):

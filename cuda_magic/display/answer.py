@@ -145,7 +145,7 @@ def _label(text: str) -> str:
     head = " ".join(text.split(":", 1)[0].split()).rstrip(".")
     if len(head) <= LABEL_WIDTH:
         return head
-    for stop in (" (", "; ", ", ", " - "):      # the first clause that fits
+    for stop in (" (", "; ", ", ", " - ", " so that ", " instead of ", " because "):   # the first clause that fits
         cut = head.find(stop)
         if 0 < cut <= LABEL_WIDTH:
             clause = head[:cut].rstrip(" ,;")
