@@ -35,10 +35,11 @@ def reached_names(namespace, source: str = "", codes=()) -> set[str]:
 
 
 def _code_of(value) -> list:
-    """The code objects a name's value runs when called: a function's, a bound method's."""
-    func = getattr(value, "__func__", value)
-    code = getattr(func, "__code__", None) if isinstance(func, types.FunctionType) else None
-    return [code] if code is not None else []
+    """The code objects a name's value runs when called: a function's, a bound method's. Asked of the exact
+    type only: a user's value is never asked an attribute (a dead weak proxy raises on any)."""
+    if type(value) is types.MethodType:
+        value = value.__func__
+    return [value.__code__] if type(value) is types.FunctionType else []
 
 
 def container_lengths(shell, names=None) -> dict[str, tuple[int, int]]:
