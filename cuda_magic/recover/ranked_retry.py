@@ -42,7 +42,8 @@ class RankedRetryLoop(RetryLoop):
         allowed = divisors(retry.original * retry.original_accumulate) if spec.exact and spec.accumulate else None
         policy = BatchSearch(retry.original, spec.floor, spec.search,
                              capacity=run.options.limit or capacity_of(run.meter), allowed=allowed,
-                             accumulating=spec.accumulate is not None)
+                             accumulating=spec.accumulate is not None,
+                             allocator=getattr(getattr(run.meter, "device", None), "allocator_copy", None))
         self._policy = policy
         value, kept, watched = policy.first(), None, ranks.watching(call)
         try:
