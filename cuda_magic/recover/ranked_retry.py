@@ -92,6 +92,8 @@ class RankedRetryLoop(RetryLoop):
             report.warnings.append(f"even {spec.variable}={last} ran out of memory on some rank (the floor is "
                                    f"{spec.floor}); {self._restored_words()}")
             return None, None
+        if policy.islands and kept[0] == policy.best:
+            run.note(policy.islands)        # the value found sits above values that ran out
         return self._kept(kept), None
 
     async def _everywhere(self, watched, value, policy):

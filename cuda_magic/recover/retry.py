@@ -304,6 +304,7 @@ class BatchSearch:
         # -r's values from a failure's bound are checked on it (`_served`)
         self.allocator = allocator
         self._measured_values: set[int] = set()
+        self._bounds: dict = {}           # _measured_bound's answers, by the failure and the bytes available
         # --exact: only these values (the divisors of the effective batch) are tried
         self.allowed = sorted(set(allowed)) if allowed is not None else None
         if self.allowed is not None and start not in self.allowed:
@@ -618,8 +619,11 @@ class BatchSearch:
         allocations replayed on the caching allocator where there is one: the probes up stop there."""
         if m.ok or not m.knows_progress or m.progress.cost is None:
             return None
-        most, served = m.fitting(available, self.accumulating)
-        return most if served is None else served or None
+        key = (id(m), available)          # asked again at each probe up: scanned once
+        if key not in self._bounds:
+            most, served = m.fitting(available, self.accumulating)
+            self._bounds[key] = most if served is None else served or None
+        return self._bounds[key]
 
     @staticmethod
     def _secant_bound(top: Measured, m: Measured, available: int) -> int | None:
