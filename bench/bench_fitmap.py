@@ -1,8 +1,8 @@
 """`-r`, `--search` and `--predict -r` against each cell's fit map, at two scales (issue 36).
 
     .venv/bin/python bench/bench_fitmap.py [--cells mlp cnn gpt llama bert resnet generate]
-        [--scale small|large] [--start-factor 2] [--every 160] [--window 0.2] [--grid 12]
-        [--json OUT] [--maps IN]
+        [--scale small|large] [--start-factor 2] [--every N] [--window 0.2] [--grid 6]
+        [--estimate CELL=N ...] [--json OUT] [--maps IN]
 
 For each cell (bench/bench_predict.py's cells: the MLP, CNN and GPT of bench_retry_training.py, and the
 transformers Llama, BERT and `generate` and the ResNet of tests/model_cells.py, built from configs), in a
@@ -14,10 +14,10 @@ allocator does: 2 and 20 MiB segments, rounded blocks, its cache):
   the real run), `--predict -r bs` (its largest, and whether that value fits when run); whether the model
   and optimizer after `-r` and `--search` equal one clean run's at the value kept;
 - the fit map: the cell run from the start state at every value from 1 to 25% above the largest any
-  method or the estimate found, where that is at most `--every` values; else every value within
-  `--window` of what they found and a coarse grid (`--grid` values) below. Its largest fitting value is
-  the largest. Where the window holds thousands of values (the MLP), every value within 3% of each value
-  found and 24 spread over the window instead. Compact: ranges that fit and that do not.
+  method or the estimate found, where that is at most `--every` values; else (`fit_map`) the values
+  within 1% of each value found, 12 spread over `--window` around them and a coarse grid (`--grid`
+  values) below, with the estimate's own bisection runs. Its largest fitting value is the largest.
+  Compact: ranges that fit and that do not.
 
 `--scale small`: the cells' own small devices (32-192 MiB, where a 20 MiB segment is 10-60% of it);
 `--scale large`: 2 GiB and up (a 20 MiB segment under 1%), the cells made larger per row where a run at
@@ -97,11 +97,12 @@ def estimate(ip, seen: dict) -> int:
     return lo
 
 
-def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: dict, fine: float = 0.03,
-            spread: int = 24) -> None:
-    """Every value up to 25% above the largest found where that is at most `every` values; else every value
-    within `fine` of each value found, `spread` values evenly over `window` around them, and a coarse grid
-    (`grid` values) below: on these 2 cores every value of a window of thousands is out of reach."""
+def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: dict, fine: float = 0.01,
+            spread: int = 12) -> None:
+    """Every value up to 25% above the largest found where that is at most `every` values; else the values
+    within `fine` of each value found (every one, or 1 in f/300 above 300), `spread` values evenly over
+    `window` around them, and a coarse grid (`grid` values) below: on these 2 cores, shared, a run takes
+    2-10 s and every value of a window of hundreds is out of reach."""
     top = int(1.25 * max(found)) + 1
     if top <= every:
         values = set(range(1, top + 1))
@@ -110,7 +111,8 @@ def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: di
         values = {low + (high - low) * i // spread for i in range(spread + 1)}
         values |= {max(1, low * i // grid) for i in range(1, grid)}
         for f in found:
-            values |= set(range(max(1, int(f * (1 - fine))), int(f * (1 + fine)) + 2))
+            values |= set(range(max(1, int(f * (1 - fine))), int(f * (1 + fine)) + 2, max(1, f // 300)))
+            values |= {f - 1, f, f + 1}
     for v in sorted(values):
         fits(ip, v, seen)
 
@@ -144,9 +146,11 @@ def main(argv=None) -> None:
     parser.add_argument("--cells", nargs="+", default=["mlp", "cnn", "gpt", "llama", "bert", "resnet", "generate"])
     parser.add_argument("--scale", choices=["small", "large"], default="small")
     parser.add_argument("--start-factor", type=float, default=2.0)
-    parser.add_argument("--every", type=int, default=160)
+    parser.add_argument("--every", type=int, default=0)
     parser.add_argument("--window", type=float, default=0.2)
-    parser.add_argument("--grid", type=int, default=12)
+    parser.add_argument("--grid", type=int, default=6)
+    parser.add_argument("--estimate", nargs="*", default=[], metavar="CELL=N",
+                        help="a first estimate of the largest, known already (skips finding it)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--maps", help="an earlier run's JSON: its largest values and starts, not mapped again")
     args = parser.parse_args(argv)
@@ -161,7 +165,8 @@ def main(argv=None) -> None:
         if key in earlier:
             est, start = earlier[key]["estimate"], earlier[key]["start"]
         else:
-            est = estimate(ip, seen)
+            known = dict(item.split("=") for item in args.estimate)
+            est = int(known[key]) if key in known else estimate(ip, seen)
             start = int(est * args.start_factor)
         run_seconds = time.perf_counter() - t0
         found = methods(ip, cell, start)
