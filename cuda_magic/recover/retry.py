@@ -546,6 +546,7 @@ class BatchSearch:
         available = self._available()
         fitted = [m for m in self.history if m.own_peak is not None]
         bound, predicted, how, fitted_line = hi - 1, None, "", False
+        modeled = None        # the largest value the caching allocator's model serves (a failure measured)
         if available is not None and fitted:
             top = max(fitted, key=lambda m: m.value)
             for m in self.history:
@@ -555,6 +556,9 @@ class BatchSearch:
                 limit = self._measured_bound(m, available)
                 if limit is not None and limit < bound:
                     bound = limit
+                served = self._bounds.get((id(m), available, "served"))
+                if served and (modeled is None or served < modeled):
+                    modeled = served
             # the partner is the nearest smaller value whose peak differs (rounding makes plateaus)
             lower = [m for m in fitted if m.value < top.value and m.own_peak < top.own_peak]
             slope = None
@@ -569,6 +573,12 @@ class BatchSearch:
                        "allocated when it started)")
             if slope:
                 predicted = top.value + (available - top.own_peak) / slope
+            if modeled is not None and modeled > best and (predicted is None or predicted < modeled):
+                # the peaks' line is in bytes; the measured pass replayed on the allocator model says more
+                # fits (recover/largest.scan): that is the prediction
+                predicted, fitted_line = modeled, False
+                how = (f"the largest value whose measured pass the caching allocator's model serves "
+                       f"({modeled})")
         if best >= self.goal * bound:
             return None, f"{best} is within {1 - self.goal:.0%} of the largest value that can fit"
         if fitted_line and best >= (1 - 1.5 * self.margin) * predicted:
@@ -577,7 +587,8 @@ class BatchSearch:
         # a value above the best that ran out brackets the largest: the next is at most the bracket's middle
         # and at least its lower quarter (recover/largest.within_bracket), so that a prediction that keeps
         # overshooting (a failure's need is a lower bound; segments, not bytes, ran out) halves it each run
-        bracketed = any(not m.ok and m.value > best for m in self.history[1:])
+        first_fit = next(i for i, m in enumerate(self.history) if m.ok)
+        bracketed = any(not m.ok and m.value > best for m in self.history[first_fit + 1:])
         if predicted is not None:
             value = min(int(min(predicted, bound + 1) * (1 - self.margin)), hi - 1)
             why = f"{how}, less {self.margin:.1%}"
@@ -623,6 +634,7 @@ class BatchSearch:
         if key not in self._bounds:
             most, served = m.fitting(available, self.accumulating)
             self._bounds[key] = most if served is None else served or None
+            self._bounds[(*key, "served")] = served
         return self._bounds[key]
 
     @staticmethod
