@@ -153,3 +153,22 @@ def test_best_reports_islands_when_runs_below_it_failed(search):
     policy._pending = 70
     policy.record(70, True, peak=30 * MiB, baseline=0)
     assert policy.islands.startswith("fits at 70; 60 does not")
+
+
+def test_search_goes_by_the_allocator_model_where_it_serves_more_than_the_bytes_line():
+    # the MLP cell of bench/bench_fitmap.py: --search stopped at 1565 (92%) because the line through two
+    # probes' peaks in bytes met the capacity there, where the failure's pass replayed on the allocator
+    # model serves 1705 (and 1706 fits)
+    m = _measured(((ALLOC, 0, 0.5 * MiB, False),), _allocator(32 * MiB, []))
+    modeled = m.allocator_max(60)
+    assert modeled >= 56
+    policy = BatchSearch(200, 1, True, capacity=32 * MiB, allocator=_allocator(32 * MiB, []))
+    policy.first()
+    policy.record(200, False, requested=m.requested, baseline=0, allocated_at_failure=m.allocated_at_failure,
+                  progress=m.progress)
+    for value in (10, 20):
+        policy._pending = value
+        policy.record(value, True, peak=value * 1536 * 1024, baseline=0)   # 1.5 MiB a row by the peaks
+    following = policy.next()
+    assert following is not None and following >= 0.95 * modeled, (following, policy.reason)
+    assert "caching allocator's model" in policy.reason
