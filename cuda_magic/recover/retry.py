@@ -579,6 +579,13 @@ class BatchSearch:
                 predicted, fitted_line = modeled, False
                 how = (f"the largest value whose measured pass the caching allocator's model serves "
                        f"({modeled})")
+        tried = {m.value for m in self.history}
+        if (modeled is not None and best < modeled < hi and modeled not in tried and best >= self.goal * bound
+                and len(self.history) < self.max_attempts):
+            # close to what the allocator model serves: that value itself, once (the model's pass was
+            # measured on slices; what it leaves out errs either way by a few percent)
+            return modeled, (f"the largest value whose measured pass the caching allocator's model serves "
+                             f"({modeled}), once, as {best} is within {1 - self.goal:.0%} of it")
         if best >= self.goal * bound:
             return None, f"{best} is within {1 - self.goal:.0%} of the largest value that can fit"
         if fitted_line and best >= (1 - 1.5 * self.margin) * predicted:
