@@ -232,3 +232,53 @@ def test_gradients_accumulated_over_micro_batches_are_counted_through_the_pass(t
         assert report.not_undone == []
     finally:
         tip.run_line_magic("gpumem", "--simulate off -q")
+
+
+# --- a failure outside the model's module tree (issue 36) ---------------------------------------------
+# transformers 5 with `kernels` installed makes apply_rotary_pos_emb a module (use_kernel_forward_from_hub)
+# attached to the attention class as a plain attribute, not a submodule (kernels 0.19
+# _internals/layer/layer.py, use_kernelized_func): a failure inside it is in a module call outside the
+# model's tree. Here the same: a module made once, outside the model, called by its forward.
+SETUP_HUB = """
+import copy
+from torch import nn
+torch.manual_seed(0)
+
+class Rotary(nn.Module):                      # a hub kernel layer: no parameters, not registered
+    def forward(self, h):
+        return torch.cat([h.cos() * h, h.sin() * h], dim=-1)
+
+rotary = Rotary()
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 256), nn.Linear(512, 10)
+        self.__dict__["rotary"] = rotary      # an attribute, as use_kernelized_func attaches it
+
+    def forward(self, x):
+        return self.out(torch.relu(self.rotary(self.inp(x))))
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+def reset():
+    for name in ("x", "y", "loss"):
+        globals().pop(name, None)
+    gc.collect()
+    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
+    for p in model.parameters():
+        p.grad = None
+"""
+LARGEST_HUB = 1861
+
+
+def test_a_failure_inside_a_layer_outside_the_model_tree_is_measured(trainer):
+    run_ok(trainer, SETUP_HUB)
+    maximum = largest(trainer, CELL, LARGEST_HUB)
+    run_ok(trainer, f"reset()\nbs = {int(maximum * 1.6)}")
+    report = trainer.run_cell("%%oomguard -q -o -r bs\n" + CELL).result
+    values = [a.value for a in report.attempts]
+    assert "predicted from the model measured" in report.attempts[1].reason, report.attempts[1].reason
+    assert len(values) == 2 and 0.85 * maximum <= report.final_value <= maximum, (values, maximum)

@@ -6,9 +6,11 @@ the lists, dicts and sets of the namespace given back their items, so that nothi
 The largest value: the peak of a run is close to linear in the batch (the model's state is fixed, the
 activations grow with it), so two runs give a line; the value where the line meets the capacity is run,
 and the bounds narrow (the line through the nearest runs on either side) until the largest value that
-fits is known to within 0.5%. A fake run costs Python time only, whatever the value. The value given is
-then that one less the retry's margin (`recover/retry.MARGIN`), the accumulation scaled to keep the
-effective batch (`-a`, and with `--exact` a divisor of it).
+fits is known to within 0.5%, each next value kept within the middle half of the bounds (the one search
+of `-r`, `--search` and this: recover/largest.py). A fake run costs Python time only, whatever the value.
+The value given is then that one less the retry's margin (`recover/retry.MARGIN`), or a little below it
+where its neighbours run out (fitting is not monotone on a caching allocator: `largest.steady`), the
+accumulation scaled to keep the effective batch (`-a`, and with `--exact` a divisor of it).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from cuda_magic.memory.blackbox import blackbox_from
 from cuda_magic.fakerun.fake_run import FakeRunner
 from cuda_magic.fakerun.fakes import to_copy
 from cuda_magic.fakerun.prediction import Prediction, Run
+from cuda_magic.recover.largest import FitMap, islands, next_value, steady
 from cuda_magic.recover.retry import MARGIN, divisors, scale_accumulation
 from cuda_magic.recover.rollback import Checkpoint
 
@@ -203,10 +206,10 @@ class Planner:
                 break                       # even the floor does not fit
             # the line goes through what the allocator reserved (on a caching device, segments more than
             # the tensors' bytes), so that it meets the capacity where the device runs out
-            guess = _guess({v: self.levels[v] for v in fit}, {v: self.levels[v] for v in fail},
+            guess = next_value({v: self.levels[v] for v in fit}, {v: self.levels[v] for v in fail},
                            cap, lo, hi, floor)
             if guess is None or guess in fit or guess in fail:     # flat in segments: the tensors' line
-                guess = _guess(fit, fail, cap, lo, hi, floor)
+                guess = next_value(fit, fail, cap, lo, hi, floor)
             if (guess is None or guess in fit or guess in fail) and lo is None:
                 guess = max(floor, min(fail) // 2)      # nothing fits yet: halve
             if guess is None or guess in fit or guess in fail:
@@ -231,6 +234,24 @@ class Planner:
                     return
                 chosen = allowed[-1]
             acc = scale_accumulation(v0, a0, chosen)
+        if acc is None:
+            # fitting is not monotone on a caching allocator: the largest at or below the margin whose
+            # neighbours fit too (recover/largest.steady), from a few more fake runs
+            seen = FitMap({**{v: True for v in fit}, **{v: False for v in fail}})
+
+            def fake_fits(v: int) -> bool | None:
+                if v < floor:
+                    return False
+                p, complete, ok = self._peak(v)
+                if not complete:
+                    return None
+                (fit if ok else fail)[v] = p
+                return ok
+
+            chosen = steady(chosen, fake_fits, MARGIN, seen, floor=floor, budget=4)
+            words = islands(chosen, seen)
+            if words:
+                pred.notes.append(f"{self.retry.variable}: {words}")
         pred.largest, pred.largest_accumulation = chosen, acc
         peak, _, fits = self._peak(chosen) if chosen not in fit else (fit[chosen], True, True)
         if not fits:                    # (the allocator's rounding is not monotonic): the value that fitted
@@ -242,45 +263,6 @@ class Planner:
             pred.largest_accumulation = scale_accumulation(v0, a0, chosen) if acc is not None else None
             peak = fit[chosen]
         pred.largest_peak = peak
-
-
-def _guess(fit, fail, cap, lo, hi, floor):
-    """The next value to run: where the line through the nearest runs on either side meets the capacity,
-    kept strictly between the bounds (their middle where the line says nothing new)."""
-    points = sorted({**fit, **fail}.items())
-    if lo is not None and hi is not None:
-        (x0, y0), (x1, y1) = (lo, fit[lo]), (hi, fail[hi])
-    elif len(points) >= 2:
-        (x0, y0), (x1, y1) = points[-2:] if lo is not None else points[:2]
-    else:
-        return None
-    if y1 == y0 or x1 == x0:
-        guess = None
-    else:
-        slope = (y1 - y0) / (x1 - x0)
-        guess = int(x0 + (cap - y0) / slope) if slope > 0 else None
-    if guess is None:
-        if lo is not None and hi is not None:
-            return (lo + hi) // 2
-        return None
-    if lo is not None and hi is not None:
-        if not lo < guess < hi:
-            guess = (lo + hi) // 2
-        # within the middle half of the bounds, so that they close in by a quarter at least each run (a line
-        # through a caching allocator's segment steps can hug one bound run after run)
-        quarter = (hi - lo) // 4
-        guess = min(max(guess, lo + quarter), hi - quarter)
-        if guess == lo:
-            guess = lo + 1
-        return guess if lo < guess < hi else None
-    if lo is not None:               # everything fits so far: go up, at most 16 times the largest
-        return min(max(guess, lo + 1), lo * 16)
-    if hi is None:
-        return None
-    # nothing fits yet: follow the line down, but at most to a quarter of the smallest failure (on a caching
-    # allocator what is reserved moves in whole segments, and a line through two segment counts can point
-    # far below the value where the last segment is no longer needed)
-    return max(floor, min(guess, hi - 1), hi // 4)
 
 
 def _allocator_of(meter) -> dict:

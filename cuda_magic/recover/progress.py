@@ -174,7 +174,7 @@ def module_calls(tb, torch) -> ModuleCalls | None:
     module_class = torch.nn.Module
     call_codes = {getattr(module_class, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
                   if hasattr(getattr(module_class, name, None), "__code__")}
-    chain, root_args, root_kwargs, first_arg, frames = [], (), {}, None, []
+    chain, root_args, root_kwargs, first_args, frames = [], (), {}, [], []
     while tb is not None:
         frame = tb.tb_frame
         frames.append(frame)
@@ -186,12 +186,19 @@ def module_calls(tb, torch) -> ModuleCalls | None:
                 args = args if isinstance(args, tuple) else ()
                 if not chain:
                     root_args, root_kwargs = args, dict(local.get("kwargs", None) or {})
-                first_arg = args[0] if args else None
+                first_args.append(args[0] if args else None)
                 chain.append(module)
         tb = tb.tb_next
     if not chain:
         return None
-    return ModuleCalls(chain, root_args, root_kwargs, first_arg, frames)
+    # a module called from the model's forward that is not one of its modules (transformers 5 with
+    # `kernels` installed: apply_rotary_pos_emb made a module by use_kernel_forward_from_hub and attached
+    # as a plain attribute, kernels/_internals/layer/layer.py use_kernelized_func): the failure is placed
+    # at the innermost module of the model's own tree that called it
+    inside = {id(m) for m in chain[0].modules()}
+    kept = [i for i, m in enumerate(chain) if id(m) in inside]
+    chain = [chain[i] for i in kept]
+    return ModuleCalls(chain, root_args, root_kwargs, first_args[kept[-1]], frames)
 
 
 GENERATION_CALLS = {"generate", "_sample", "_prefill", "_greedy_search", "greedy_search", "sample",

@@ -42,7 +42,8 @@ class RankedRetryLoop(RetryLoop):
         allowed = divisors(retry.original * retry.original_accumulate) if spec.exact and spec.accumulate else None
         policy = BatchSearch(retry.original, spec.floor, spec.search,
                              capacity=run.options.limit or capacity_of(run.meter), allowed=allowed,
-                             accumulating=spec.accumulate is not None)
+                             accumulating=spec.accumulate is not None,
+                             allocator=getattr(getattr(run.meter, "device", None), "allocator_copy", None))
         self._policy = policy
         value, kept, watched = policy.first(), None, ranks.watching(call)
         try:
@@ -91,6 +92,8 @@ class RankedRetryLoop(RetryLoop):
             report.warnings.append(f"even {spec.variable}={last} ran out of memory on some rank (the floor is "
                                    f"{spec.floor}); {self._restored_words()}")
             return None, None
+        if policy.islands and kept[0] == policy.best:
+            run.note(policy.islands)        # the value found sits above values that ran out
         return self._kept(kept), None
 
     async def _everywhere(self, watched, value, policy):

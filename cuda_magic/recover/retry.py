@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cuda_magic.recover.largest import FitMap, islands, within_bracket
 from cuda_magic.recover.progress import Progress
 from cuda_magic.units import format_bytes
 
@@ -128,26 +129,29 @@ class Measured:
         """Of the values up to `value` (the most that fits in bytes, `measured_max`), the largest whose step
         the device's caching allocator can serve: the pass's measured allocations and frees replayed at it
         on a copy of the allocator as it is now (ModelCost.fits_allocator: rounded blocks, 2 and 20 MiB
-        segments, the cache and its holes); 0 where not even 1 can be; None where there is no allocator to
-        ask (the plain count, a GPU)."""
+        segments, the cache and its holes), found by recover/largest.scan, which does not take fitting to
+        be monotone; 0 where none can be; None where there is no allocator to ask (the plain count, a GPU)."""
+        found = self.allocator_map(value, kept)
+        return None if found is None else found[0]
+
+    def allocator_verdict(self, kept: bool = False):
+        """fits(u): whether a step at `u` fits on the allocator model (None: no model to ask)."""
         cost = self.progress.cost
         held = self.needed_at_least - (self.requested or 0)
         besides = max(0, held - cost.fixed_held)
         other = (besides - cost.held_by_model(self.value, besides, self.requested)) / self.value
+        return lambda u: cost.fits_allocator(u, kept, other * u)
 
-        def fits(u: int) -> bool | None:
-            return cost.fits_allocator(u, kept, other * u)
+    def allocator_map(self, value: int, kept: bool = False):
+        """(the largest value up to `value` the allocator model serves or 0, its verdicts, the verdict);
+        None where there is no model to ask."""
+        from cuda_magic.recover.largest import scan
 
-        top = fits(value)
-        if top is None or top:
-            return None if top is None else value
-        if not fits(1):
-            return 0
-        lo, hi = 1, value
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        fits = self.allocator_verdict(kept)
+        largest, seen = scan(fits, 1, value)
+        if not seen.verdicts:
+            return None
+        return (largest or 0), seen, fits
 
     def fitting(self, available: int, kept: bool = False) -> tuple[int | None, int | None]:
         """(the largest value `measured_max` predicts to fit in `available` bytes, the largest of those the
@@ -185,18 +189,33 @@ class Prediction:
 
 def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction | None:
     """From the model measured on slices of the batch that failed at `m.value` (recover/replay.py):
-    MEASURED_SHARE of the largest value whose training step fits in `available` bytes."""
-    measured, served = m.fitting(available, kept)
-    if measured is None or served == 0:
+    MEASURED_SHARE of the largest value whose training step fits in `available` bytes; where the caching
+    allocator's model can be asked, of the largest it serves (recover/largest.scan), and then, at or below
+    that share, the largest value it serves whose neighbours it serves too (recover/largest.steady)."""
+    from cuda_magic.recover.largest import islands, steady
+
+    measured = m.measured_max(available, kept)
+    if measured is None:
+        return None
+    found = m.allocator_map(measured, kept)
+    if found is not None and found[0] == 0:
         return None
     cost = m.progress.cost
-    checked = ""
-    if served is not None:
+    checked, value = "", int(measured * MEASURED_SHARE)
+    if found is not None:
+        served, seen, fits = found
         checked = (f"; {measured} by the bytes, {served} once its allocations are replayed on the caching "
                    "allocator as it is now" if served < measured
                    else "; its allocations replayed on the caching allocator fit")
-        measured = served
-    return Prediction(int(measured * MEASURED_SHARE),
+        measured, value = served, int(served * MEASURED_SHARE)
+        chosen = steady(value, fits, 0.15, seen, floor=1)
+        if chosen != value:
+            checked += f"; {chosen}, the largest at or below {value} whose neighbours fit there too"
+            value = chosen
+        words = islands(value, seen)
+        if words:
+            checked += f"; on that allocator it {words}"
+    return Prediction(max(1, value),
                       f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
                       f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
                       f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
@@ -285,6 +304,7 @@ class BatchSearch:
         # -r's values from a failure's bound are checked on it (`_served`)
         self.allocator = allocator
         self._measured_values: set[int] = set()
+        self._bounds: dict = {}           # _measured_bound's answers, by the failure and the bytes available
         # --exact: only these values (the divisors of the effective batch) are tried
         self.allowed = sorted(set(allowed)) if allowed is not None else None
         if self.allowed is not None and start not in self.allowed:
@@ -389,6 +409,15 @@ class BatchSearch:
         return min(failed) if failed else None
 
     @property
+    def islands(self) -> str:
+        """Words where the best value sits above values the runs found not to fit (recover/largest.islands);
+        "" otherwise."""
+        best = self.best
+        if best is None:
+            return ""
+        return islands(best, FitMap({m.value: m.ok for m in self.history}))
+
+    @property
     def done(self) -> bool:
         return self._done
 
@@ -460,13 +489,10 @@ class BatchSearch:
             return model is None or replay_fits(model, (), 0, before=(held * u / m.value,
                                                                       m.requested * u / m.value))
 
-        if fits(value) or not fits(self.floor):
-            return value
-        lo, hi = self.floor, value
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        from cuda_magic.recover.largest import scan
+
+        largest, _ = scan(fits, self.floor, value)
+        return value if largest is None else largest
 
     def _descend(self, hi: int) -> tuple[int, str]:
         """--search, or -r where no failure's measure is usable: a share of the tightest failure bound."""
@@ -520,6 +546,7 @@ class BatchSearch:
         available = self._available()
         fitted = [m for m in self.history if m.own_peak is not None]
         bound, predicted, how, fitted_line = hi - 1, None, "", False
+        modeled = None        # the largest value the caching allocator's model serves (a failure measured)
         if available is not None and fitted:
             top = max(fitted, key=lambda m: m.value)
             for m in self.history:
@@ -529,6 +556,9 @@ class BatchSearch:
                 limit = self._measured_bound(m, available)
                 if limit is not None and limit < bound:
                     bound = limit
+                served = self._bounds.get((id(m), available, "served"))
+                if served and (modeled is None or served < modeled):
+                    modeled = served
             # the partner is the nearest smaller value whose peak differs (rounding makes plateaus)
             lower = [m for m in fitted if m.value < top.value and m.own_peak < top.own_peak]
             slope = None
@@ -543,18 +573,42 @@ class BatchSearch:
                        "allocated when it started)")
             if slope:
                 predicted = top.value + (available - top.own_peak) / slope
+            if modeled is not None and modeled > best and (predicted is None or predicted < modeled):
+                # the peaks' line is in bytes; the measured pass replayed on the allocator model says more
+                # fits (recover/largest.scan): that is the prediction
+                predicted, fitted_line = modeled, False
+                how = (f"the largest value whose measured pass the caching allocator's model serves "
+                       f"({modeled})")
+        tried = {m.value for m in self.history}
+        if (modeled is not None and best < modeled < hi and modeled not in tried and best >= self.goal * bound
+                and len(self.history) < self.max_attempts):
+            # close to what the allocator model serves: that value itself, once (the model's pass was
+            # measured on slices; what it leaves out errs either way by a few percent)
+            return modeled, (f"the largest value whose measured pass the caching allocator's model serves "
+                             f"({modeled}), once, as {best} is within {1 - self.goal:.0%} of it")
         if best >= self.goal * bound:
             return None, f"{best} is within {1 - self.goal:.0%} of the largest value that can fit"
         if fitted_line and best >= (1 - 1.5 * self.margin) * predicted:
             return None, (f"{best} is within {1.5 * self.margin:.1%} of the predicted largest value "
                           f"{int(predicted)}")
+        # a value above the best that ran out brackets the largest: the next is at most the bracket's middle
+        # and at least its lower quarter (recover/largest.within_bracket), so that a prediction that keeps
+        # overshooting (a failure's need is a lower bound; segments, not bytes, ran out) halves it each run
+        first_fit = next(i for i, m in enumerate(self.history) if m.ok)
+        bracketed = any(not m.ok and m.value > best for m in self.history[first_fit + 1:])
         if predicted is not None:
             value = min(int(min(predicted, bound + 1) * (1 - self.margin)), hi - 1)
+            why = f"{how}, less {self.margin:.1%}"
+            if value <= best:  # the margin would undo the step; the prediction itself is worth a try
+                value, why = min(int(predicted), hi - 1), how
             if value > best:
-                return value, f"{how}, less {self.margin:.1%}"
-            value = min(int(predicted), hi - 1)
-            if value > best:  # the margin would undo the step; the prediction itself is worth a try
-                return value, how
+                if bracketed:
+                    # a prediction up has run out: it overshoots, so at most the bracket's middle
+                    kept = within_bracket(min(value, (best + hi) // 2), best, hi)
+                    if kept != value:
+                        return kept, (f"{why}: {value}; bisecting between {best} (fits) and {hi} (out of "
+                                      "memory), as a prediction above ran out")
+                return value, why
         value = (best + hi) // 2
         return value, f"bisecting between {best} (fits) and {hi} (out of memory)"
 
@@ -583,8 +637,12 @@ class BatchSearch:
         allocations replayed on the caching allocator where there is one: the probes up stop there."""
         if m.ok or not m.knows_progress or m.progress.cost is None:
             return None
-        most, served = m.fitting(available, self.accumulating)
-        return most if served is None else served or None
+        key = (id(m), available)          # asked again at each probe up: scanned once
+        if key not in self._bounds:
+            most, served = m.fitting(available, self.accumulating)
+            self._bounds[key] = most if served is None else served or None
+            self._bounds[(*key, "served")] = served
+        return self._bounds[key]
 
     @staticmethod
     def _secant_bound(top: Measured, m: Measured, available: int) -> int | None:

@@ -115,6 +115,8 @@ class RetryLoop:
                 f"even {spec.variable}={last} ran out of memory (the floor is {spec.floor})")
             report.warnings.append(f"{why}; {self._restored_words()}")
             return None, None
+        if policy.islands and kept[0] == policy.best:
+            run.note(policy.islands)        # the value found sits above values that ran out
         return self._kept(kept), None
 
     def _kept(self, kept):
