@@ -270,3 +270,14 @@ def test_the_architecture_doc_names_real_modules_and_every_layer():
     for layer in LAYERS:
         if layer != "__init__":
             assert f"`{layer}/`" in section or f"`{layer}.py`" in section, f"docs/architecture.md lacks {layer}"
+
+
+def test_the_readme_is_one_a_user_reads_to_the_end():
+    """The README is for the user (at most 350 lines); the detail lives in docs/, and every docs/ page the
+    README links exists."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert len(readme.splitlines()) <= 350, len(readme.splitlines())
+    for target in set(re.findall(r"\]\((docs/[^)#]+)", readme)):
+        assert (PACKAGE.parent / target).exists(), target
