@@ -43,12 +43,20 @@ import bench_retry_training as brt  # noqa: E402
 # large scale: the capacity, and the set-up's edits that make a row larger (wider, longer) so that the
 # largest value stays small enough for a run to take seconds
 LARGE = {
-    "mlp": ("2GiB", [("nn.Linear(256, 1024)", "nn.Linear(256, 8192)"), ("nn.BatchNorm1d(1024), nn.ReLU(),\n                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024)", "nn.BatchNorm1d(8192), nn.ReLU(),\n                      nn.Linear(8192, 1024), nn.BatchNorm1d(1024)")]),
-    "gpt": ("2GiB", [("V, T, D = 512, 64, 128", "V, T, D = 4096, 256, 128")]),
+    # the MLP narrowed at both ends (16 inputs, 16 after the wide layer): its memory is the wide layer's
+    # activations, elementwise work, not the matrix products that made a run at 2 GiB take 20 s and more
+    "mlp": ("2GiB", [("nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),\n                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10)",
+                      "nn.Linear(16, 8192), nn.BatchNorm1d(8192), nn.ReLU(),\n                      nn.Linear(8192, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)")]),
+    # the CNN narrower (16-32 channels, less compute per byte) and its data set larger (16384 images)
+    "cnn": ("2GiB", [("(4096, 3, 32, 32)", "(16384, 3, 32, 32)"), ("(4096,)", "(16384,)"),
+                     ("*block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128), nn.MaxPool2d(2),\n                      *block(128, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)",
+                      "*block(3, 16), *block(16, 16), nn.MaxPool2d(2), *block(16, 32), nn.MaxPool2d(2),\n                      *block(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)")]),
+    "gpt": ("2GiB", [("V, T, D = 512, 64, 128", "V, T, D = 4096, 256, 32")]),
     "llama": ("2GiB", [("vocab_size=512, hidden_size=64, intermediate_size=176", "vocab_size=8192, hidden_size=64, intermediate_size=176")]),
     "bert": ("2GiB", [("vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,\n                 max_position_embeddings=128", "vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,\n                 max_position_embeddings=512")]),
 }
 LARGE_CELL = {
+    "mlp": [("torch.randn(bs, 256)", "torch.randn(bs, 16)")],
     "llama": [("(bs, 32)", "(bs, 128)")],
     "bert": [("48", "384")],
 }
@@ -66,6 +74,8 @@ def prepared(ip, key: str, scale: str) -> tuple[str, str]:
                 raise SystemExit(f"{key}: {old!r} not in its set-up")
             setup = setup.replace(old, new)
         for old, new in LARGE_CELL.get(key, ()):
+            if old not in cell:
+                raise SystemExit(f"{key}: {old!r} not in its cell")
             cell = cell.replace(old, new)
     brt.run(ip, "%gpumem --simulate off -q")
     brt.run(ip, f"%gpumem --simulate {cap} -q")
@@ -76,12 +86,21 @@ def prepared(ip, key: str, scale: str) -> tuple[str, str]:
     return cell, cap
 
 
+PARTIAL: dict = {}      # the cell being measured, written to `--json` after every run so that a stopped run keeps it
+
+
+def save(path) -> None:
+    if path:
+        Path(path).write_text(json.dumps(PARTIAL, indent=1, default=str))
+
+
 def fits(ip, value: int, seen: dict) -> bool:
     if value not in seen:
         t0 = time.perf_counter()
         brt.fresh(ip, value)
         seen[value] = brt.fits(ip, value)
         print(f"    map {value}: {'fits' if seen[value] else 'oom'} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        save(PARTIAL.get("_json"))
     return seen[value]
 
 
@@ -123,7 +142,7 @@ def ranges(seen: dict) -> str:
     return FitMap(seen).ranges()
 
 
-def methods(ip, cell: str, start: int) -> dict:
+def methods(ip, cell: str, start: int, seen: dict) -> dict:
     out = {}
     for key, flags in (("r", ""), ("search", "--search")):
         t0 = time.perf_counter()
@@ -136,7 +155,8 @@ def methods(ip, cell: str, start: int) -> dict:
     brt.fresh(ip, start)
     pred = brt.run(ip, "%%oomguard --predict -q -o -r bs\n" + cell)
     largest = pred.largest
-    out["predict"] = {"found": largest, "fits": bool(largest) and brt.fits(ip, largest)}
+    # its value run from the start state, as every value of the map (and kept in it)
+    out["predict"] = {"found": largest, "fits": bool(largest) and fits(ip, largest, seen)}
     print(f"  predict: {largest} fits={out['predict']['fits']}", file=sys.stderr)
     return out
 
@@ -161,6 +181,8 @@ def main(argv=None) -> None:
         print(f"{key}:", file=sys.stderr)
         cell, cap = prepared(ip, key, args.scale)
         seen: dict[int, bool] = {}
+        PARTIAL.clear()
+        PARTIAL.update(results, _json=args.json, _partial={key: {"cap": cap, "seen": seen}})
         t0 = time.perf_counter()
         if key in earlier:
             est, start = earlier[key]["estimate"], earlier[key]["start"]
@@ -169,7 +191,10 @@ def main(argv=None) -> None:
             est = int(known[key]) if key in known else estimate(ip, seen)
             start = int(est * args.start_factor)
         run_seconds = time.perf_counter() - t0
-        found = methods(ip, cell, start)
+        PARTIAL["_partial"][key].update(estimate=est, start=start)
+        found = methods(ip, cell, start, seen)
+        PARTIAL["_partial"][key].update(methods=found)
+        save(args.json)
         if key in earlier:
             largest, compact = earlier[key]["largest"], earlier[key]["map"]
         else:
