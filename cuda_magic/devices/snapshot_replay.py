@@ -227,9 +227,7 @@ def replay(rec: Recording, capacity: int | None = None, conf: str | None = None,
             try:
                 block = model.malloc(int(e.get("size") or 0))
             except CannotReserve as exc:
-                result.fits = False
-                result.failure = Failure(i, exc.requested, exc.alloc_size, level, exc.reserved)
-                result.needed = exc.reserved + exc.alloc_size
+                _ran_out(result, i, exc, level)
                 break
             if block is not None:
                 model.note_handed_out(block)
@@ -266,9 +264,7 @@ def replay(rec: Recording, capacity: int | None = None, conf: str | None = None,
             try:
                 block = model.malloc(int(e.get("size") or 0))
             except CannotReserve as exc:
-                result.fits = False
-                result.failure = Failure(i, exc.requested, exc.alloc_size, level, exc.reserved)
-                result.needed = exc.reserved + exc.alloc_size
+                _ran_out(result, i, exc, level)
                 break
             model.free(block)
         reserved = model.reserved
@@ -313,3 +309,10 @@ def smallest_capacity(rec: Recording, conf: str | None = None, *, start: list[di
                 else:
                     lo = need
     return hi
+
+
+def _ran_out(result, index: int, exc, allocated: int) -> None:
+    """The replay's first request that could not be served: where, what it asked, what was held."""
+    result.fits = False
+    result.failure = Failure(index, exc.requested, exc.alloc_size, allocated, exc.reserved)
+    result.needed = exc.reserved + exc.alloc_size
