@@ -8,14 +8,8 @@ import pytest
 from conftest import run_ok
 from retry_helpers import largest
 
-SETUP = """
-import copy
-from torch import nn
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(),
-                      nn.Linear(512, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 10))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+# the model and optimizer as they were, and the last run's tensors dropped: each run from the same state
+RESET = """start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
 
 def reset():
     for name in ("x", "y", "loss"):
@@ -25,6 +19,15 @@ def reset():
     for p in model.parameters():
         p.grad = None
 """
+
+SETUP = """
+import copy
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(),
+                      nn.Linear(512, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+""" + RESET
 
 CELL = """model.train()
 for step in range(2):
@@ -261,16 +264,7 @@ class Net(nn.Module):
 
 model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-
-def reset():
-    for name in ("x", "y", "loss"):
-        globals().pop(name, None)
-    gc.collect()
-    model.load_state_dict(start[0]); opt.load_state_dict(copy.deepcopy(start[1]))
-    for p in model.parameters():
-        p.grad = None
-"""
+""" + RESET
 LARGEST_HUB = 1861
 
 

@@ -215,9 +215,7 @@ class GuardedRun:
         nothing else is touched (the device's own peak counter is the user's). Then `end(exc)`, or
         `discard()`."""
         self._started = True
-        names = self._watched_names(source)
-        self._lengths = container_lengths(self.shell, names)
-        self._ids = value_ids(self.shell, names)
+        self._remember_names(source)
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, None, find_cell=True)
         # the device before the cell: two counters now (cheap for every cell), the rest read at a failure
@@ -366,9 +364,7 @@ class GuardedRun:
         if self._started:
             return
         self._started = True
-        names = self._watched_names()
-        self._lengths = container_lengths(self.shell, names)
-        self._ids = value_ids(self.shell, names)
+        self._remember_names()
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -390,6 +386,12 @@ class GuardedRun:
                 "a request)")
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, self.options.filename)
+
+    def _remember_names(self, source: str = "") -> None:
+        """Before the run: the lengths of the containers it may grow and the values its names hold."""
+        names = self._watched_names(source)
+        self._lengths = container_lengths(self.shell, names)
+        self._ids = value_ids(self.shell, names)
 
     def _watched_names(self, source: str = ""):
         """The names whose containers are watched for growth: those the run's code reaches (None where its
