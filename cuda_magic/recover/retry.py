@@ -597,18 +597,17 @@ class BatchSearch:
         # bytes, ran out) halves the bracket, while one that is right gets there in few runs (the middle
         # alone took 8 runs to 92% of a largest value just below a failure)
         first_fit = next(i for i, m in enumerate(self.history) if m.ok)
-        bracketed = any(not m.ok and m.value > best for m in self.history[first_fit + 1:])
+        overshoots = sum(not m.ok and m.value > best for m in self.history[first_fit + 1:])
         if predicted is not None:
             value = min(int(min(predicted, bound + 1) * (1 - self.margin)), hi - 1)
             why = f"{how}, less {self.margin:.1%}"
             if value <= best:  # the margin would undo the step; the prediction itself is worth a try
                 value, why = min(int(predicted), hi - 1), how
             if value > best:
-                if bracketed:
+                if overshoots:
                     # a prediction up has just run out, or two have: it overshoots, so at most the
                     # bracket's middle; after one overshoot and a fit, within the bracket's middle half
                     last = self.history[-1]
-                    overshoots = sum(not m.ok and m.value > best for m in self.history[first_fit + 1:])
                     top = (best + hi) // 2 if (not last.ok and last.value > best) or overshoots >= 2 else value
                     kept = within_bracket(min(value, top), best, hi)
                     if kept != value:
