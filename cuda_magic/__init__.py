@@ -6,6 +6,9 @@ loaded on first use.
 """
 from __future__ import annotations
 
+# the display registers the records' forms (cuda_magic/reprs.py): a record's repr works wherever one exists
+from cuda_magic.display.render import render as _draws_the_records  # noqa: F401
+
 __version__ = "0.1.0"
 
 _API = {

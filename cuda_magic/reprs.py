@@ -1,17 +1,25 @@
 """Reprs for the records, drawn by the display layer.
 
-The records (memory/, oom/, recover/) know nothing of how they are drawn; `display/` knows them. A
-record's `repr()` and `_repr_html_` still have to reach the display, so they go through `render` below,
-the one place that imports `display/` from beneath it, inside the function, when a repr is asked for.
+The records (memory/, oom/, recover/, fakerun/) know nothing of how they are drawn, and this module
+imports nothing above it: the display layer hands its drawing in when it is loaded (`display/render.py`
+calls `register_drawer`), and the package loads the display with itself (`cuda_magic/__init__.py`), so
+every record that can exist finds its forms here.
 """
 from __future__ import annotations
+
+_drawers: list = []      # the display's drawing, once it is loaded: draw(obj, form) -> str | None
+
+
+def register_drawer(draw) -> None:
+    """Where records are drawn from now on: `draw(obj, form)` with form 'text', 'html', 'line' or 'full'."""
+    _drawers[:] = [draw]
 
 
 def render(obj, form: str) -> str | None:
     """`obj` drawn as 'text' or 'html' (None where it has no such form)."""
-    from cuda_magic.display.render import render as draw   # the one deferred upward import
-
-    return draw(obj, form)
+    if not _drawers:      # the package loads the display with itself: only a broken install gets here
+        raise RuntimeError("cuda_magic.display is not loaded: `import cuda_magic` loads it")
+    return _drawers[0](obj, form)
 
 
 class Rendered:

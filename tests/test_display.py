@@ -254,6 +254,34 @@ def test_records_repr_use_text_forms():
     assert repr(snapshot()) == T.snapshot_text(snapshot())
 
 
+def test_a_record_draws_itself_in_a_plain_process_that_never_imported_the_display():
+    """The records reach their forms through the registry the display fills when the package loads
+    (cuda_magic/reprs.py): importing a record's module alone is enough, and the forms themselves are
+    loaded only when a record is first drawn."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import sys
+        from cuda_magic.devices.readings import DeviceMemory
+        from cuda_magic.memory.snapshot import Snapshot
+        loaded_before = "cuda_magic.display.show" in sys.modules
+        dev = DeviceMemory("cpu", "CPU", "cpu", 8 << 30, torch_allocated=1 << 30, torch_cached=0,
+                           other_this_process=0, other_processes=0, free=7 << 30)
+        snap = Snapshot([dev], [], tensor_count=0)
+        text, html = repr(snap), snap._repr_html_()
+        print(loaded_before, "cuda_magic.display.show" in sys.modules, "IPython" in sys.modules)
+        from cuda_magic.display.html import snapshot_html
+        from cuda_magic.display.text import snapshot_text
+        print(text == snapshot_text(snap), html == snapshot_html(snap), "8.00 GiB" in text)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, drawn = out.stdout.splitlines()[-2:]
+    assert loaded == "False True False"         # forms loaded on the first draw; IPython never
+    assert drawn == "True True True"
+
+
 # ---- HTML ---------------------------------------------------------------------------------------
 
 def bar_widths(html: str) -> list[list[tuple[str, float]]]:

@@ -20,8 +20,8 @@ LAYERS = {
     "api": 7,         # the Python API
     "__init__": 8,
 }
-# The one import that goes up: the records' reprs reach the display inside a function (cuda_magic/reprs.py).
-DEFERRED_UP = {("cuda_magic.reprs", "cuda_magic.display.render")}
+# No import goes up, at module level or inside a function: the records reach their forms through a
+# registry the display fills when it is loaded (cuda_magic/reprs.py).
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -41,7 +41,7 @@ def imports_of(path: Path, package: Path = PACKAGE):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")
+                base = parent.split(".")
                 base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
@@ -80,16 +80,9 @@ def test_each_module_imports_only_its_layer_and_below(package: Path = PACKAGE):
         for target, _, _ in imports_of(path, package):
             if target == "cuda_magic" and me != "cuda_magic":
                 wrong.append(f"{me} imports the package itself: import the module that defines the name")
-            elif layer_of(target) > layer_of(me) and (me, target) not in DEFERRED_UP:
+            elif layer_of(target) > layer_of(me):
                 wrong.append(f"{me} (layer {layer_of(me)}) imports {target} (layer {layer_of(target)})")
     assert not wrong, "\n".join(wrong)
-
-
-def test_the_one_upward_import_is_deferred():
-    for me, target in DEFERRED_UP:
-        path = all_modules()[me]
-        kinds = [top for t, _, top in imports_of(path) if t == target]
-        assert kinds == [False], f"{me} must import {target} inside a function only"
 
 
 def test_no_private_name_crosses_a_module(package: Path = PACKAGE):
@@ -100,12 +93,11 @@ def test_no_private_name_crosses_a_module(package: Path = PACKAGE):
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_circle():
-    modules = all_modules()
-    graph = {me: sorted({t for t, _, _ in imports_of(p) if t in modules and t != me}) for me, p in modules.items()}
-    # the records reach the display only through reprs' deferred import: not a circle of module loading
-    for me, target in DEFERRED_UP:
-        graph[me] = [t for t in graph[me] if t != target]
+def test_no_import_circle(package: Path = PACKAGE):
+    modules = all_modules(package)
+    # every import counts, at module level or inside a function: a deferred import closes a circle too
+    graph = {me: sorted({t for t, _, _ in imports_of(p, package) if t in modules and t != me})
+             for me, p in modules.items()}
     # packages' __init__ are imported before any of their modules: an edge from a child to its parent is
     # the import system's own, not the code's; only edges written in the code count (these are).
     state, cycles = {}, []
@@ -214,6 +206,32 @@ def test_the_checks_catch_an_upward_import_and_a_private_name(tmp_path):
     with pytest.raises(AssertionError, match="imports _private from cuda_magic.units"):
         test_no_private_name_crosses_a_module(copy)
     assert not (PACKAGE / "devices" / "zz_layer_probe.py").exists()
+
+
+def test_the_checks_catch_a_circle_through_a_function_level_import(tmp_path):
+    """A circle closed by an import inside a function (and a relative one) is reported, as is a deferred
+    import that goes up: a tiny package of four modules, two layers."""
+    import pytest
+
+    tiny = tmp_path / "cuda_magic"
+    (tiny / "devices").mkdir(parents=True)
+    (tiny / "display").mkdir()
+    for init in (tiny / "__init__.py", tiny / "devices" / "__init__.py", tiny / "display" / "__init__.py"):
+        init.write_text("")
+    (tiny / "devices" / "first.py").write_text("from cuda_magic.devices.second import two\n\n\ndef one():\n"
+                                                "    return two()\n")
+    (tiny / "devices" / "second.py").write_text("def two():\n    from . import first\n\n    return first\n")
+    (tiny / "reprs.py").write_text("def render(obj):\n    from cuda_magic.display.draw import draw\n\n"
+                                   "    return draw(obj)\n")
+    (tiny / "display" / "draw.py").write_text("from cuda_magic.reprs import render\n\n\ndef draw(obj):\n"
+                                              "    return str(obj)\n")
+    with pytest.raises(AssertionError) as circles:
+        test_no_import_circle(tiny)
+    found = str(circles.value)
+    assert "cuda_magic.devices.first -> cuda_magic.devices.second -> cuda_magic.devices.first" in found
+    assert "cuda_magic.display.draw -> cuda_magic.reprs -> cuda_magic.display.draw" in found
+    with pytest.raises(AssertionError, match="cuda_magic.reprs .layer 0. imports cuda_magic.display.draw .layer 6."):
+        test_each_module_imports_only_its_layer_and_below(tiny)
 
 
 def test_the_checks_catch_a_second_copy_of_the_failure_path(tmp_path):

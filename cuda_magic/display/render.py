@@ -1,5 +1,8 @@
-"""A record drawn as text or HTML: what the records' reprs (cuda_magic.reprs) call."""
+"""A record drawn as text or HTML: what the records' reprs (cuda_magic.reprs) call. Loading this module
+registers it there (the display package loads it, and the package loads the display)."""
 from __future__ import annotations
+
+from cuda_magic.reprs import register_drawer
 
 
 def render(obj, form: str) -> str | None:
@@ -15,3 +18,6 @@ def render(obj, form: str) -> str | None:
         return guard_text(obj, full=True)
     text, html, _ = forms_of(obj)
     return text() if form == "text" else html()
+
+
+register_drawer(render)
