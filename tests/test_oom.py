@@ -261,3 +261,37 @@ def test_the_processes_a_message_lists_are_parsed():
     assert fields.processes == [(3721648, 414 * 2**20), (1374765, 414 * 2**20), (1374763, 414 * 2**20),
                                 (1374764, 414 * 2**20)]
     assert parse_oom_message("CUDA out of memory. Tried to allocate 2.00 MiB").processes == []
+
+
+# -- one classification: the guard's and `%gpumem --watch`'s ----------------------------------------
+
+def test_the_watch_and_the_guard_agree_on_every_real_message():
+    """`%gpumem --watch` marks a cell 'oom' exactly where the guard sees an out-of-memory error: both ask
+    devices/errors.py, on the real messages (tests/oom_messages.py), alone and as the cause of another
+    error, and on a numpy-style MemoryError (the watch used to look for "out of memory" in the text)."""
+    import torch
+    from IPython.core.interactiveshell import ExecutionResult
+
+    from cuda_magic.memory import watch
+
+    def chained(text):
+        try:
+            try:
+                raise RuntimeError(text)
+            except RuntimeError as inner:
+                raise ValueError("the cell's own error") from inner
+        except ValueError as outer:
+            return outer
+
+    errors = [RuntimeError(e["text"]) for e in MESSAGES] + [chained(e["text"]) for e in MESSAGES]
+    errors += [RuntimeError(t) for t in FATAL + NOT_OOM] + [chained(t) for t in FATAL]
+    errors += [MemoryError("Unable to allocate 8.00 GiB for an array with shape (1073741824,)"),
+               torch.cuda.OutOfMemoryError("")]
+    seen = {}
+    for error in errors:
+        result = ExecutionResult(None)
+        result.error_in_exec = error
+        guard = is_oom(error)
+        assert watch._outcome(result) == ("oom" if guard else "error"), (guard, str(error)[:80])
+        seen[guard] = seen.get(guard, 0) + 1
+    assert seen == {True: 2 * len(MESSAGES) + 2, False: 2 * len(FATAL) + len(NOT_OOM)}

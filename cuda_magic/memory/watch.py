@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from cuda_magic.devices.errors import oom_error_class
+from cuda_magic.devices.errors import is_oom
 from cuda_magic.devices.gauge_reader import gauge_reads, peak_reset
 from cuda_magic.devices.probe import cuda_started, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.proc import ProcReader
@@ -178,25 +178,15 @@ def _capacity(kind: str, dev) -> int | None:
 
 
 def _outcome(result) -> str | None:
-    """'ok', 'oom' (torch's out-of-memory error, or one that says "out of memory", in the error's chain,
-    as a guard's short error after an OOM is) or 'error', from IPython's ExecutionResult; None without one."""
+    """'ok', 'oom' (an out-of-memory error in the error's chain, as the guard decides it:
+    devices/errors.py, so a guard's short error after an OOM is one too) or 'error', from IPython's
+    ExecutionResult; None without one."""
     if result is None or not hasattr(result, "error_in_exec"):
         return None
     error = result.error_in_exec or getattr(result, "error_before_exec", None)
     if error is None:
         return "ok"
-    try:
-        torch = loaded_torch()
-        oom = oom_error_class(torch) if torch is not None else ()
-        for _ in range(10):                       # the chain, as far as it goes (a loop is cut short)
-            if error is None:
-                break
-            if isinstance(error, oom) or "out of memory" in str(error).lower():
-                return "oom"
-            error = error.__cause__ or error.__context__
-    except Exception:
-        pass
-    return "error"
+    return "oom" if is_oom(error) else "error"
 
 
 def _cell_number(shell, result, fallback: int) -> int:

@@ -1,40 +1,23 @@
-"""Out-of-memory errors: which exceptions are one, and the figures their messages state.
+"""Out-of-memory errors: the figures their messages state, the note on a fatal CUDA error.
 
-Pure: no torch import here (torch's exception class is recognised by name), so the guard can classify
-an error cheaply and the parser can be tested on message texts alone.
-
-What counts (see SPEC "Out of memory: what counts"):
-- 'oom': `torch.OutOfMemoryError` (and `torch.cuda.OutOfMemoryError`, the same class), messages saying
-  CUDA / HIP / XPU / MPS out of memory, `CUDA error: out of memory`, `CUBLAS_STATUS_ALLOC_FAILED`, torch's
-  CPU allocator failing (`DefaultCPUAllocator: can't allocate memory`, Windows: `not enough memory`),
-  and Python's `MemoryError` (a CPU out-of-memory: numpy raises a subclass of it; the kernel survives
-  it just as it survives a CUDA OOM, and the same clean-up helps).
-- 'possible': cuDNN's `CUDNN_STATUS_NOT_SUPPORTED`, which torch raises when cuDNN cannot get workspace
-  memory, but also for inputs cuDNN does not support.
-- 'fatal': `device-side assert triggered`, `an illegal memory access was encountered`: not out of
-  memory; the CUDA context is unusable and only a kernel restart helps.
+Which exceptions are one is decided in devices/errors.py (what counts: its docstring), below both the
+guard and `%gpumem --watch`; its answers are the ones this module gives (`oom_kind`, `is_oom`,
+`find_oom`, `message_kind`, `exception_chain`). Pure: no torch import, so the parser can be tested on
+message texts alone.
 """
 from __future__ import annotations
 
 import re
 import sys
 
-from cuda_magic.devices.errors import oom_error_class
+from cuda_magic.devices.errors import (CHAIN_LIMIT, OOM_MESSAGE, error_text, exception_chain, find_oom,  # noqa: F401
+                                       is_oom, message_kind, oom_kind)
 from cuda_magic.oom.findings import OomFields
 
 FATAL_NOTE = (
     "This is not an out-of-memory error: after a device-side assert or an illegal memory access the "
     "CUDA context is unusable, and unlike an OOM it does need a kernel restart. Run with "
     "CUDA_LAUNCH_BLOCKING=1 to see which operation failed.")
-
-_FATAL_RE = re.compile(r"device-side assert triggered|an illegal memory access was encountered", re.I)
-_OOM_RE = re.compile(
-    r"CUDA out of memory|CUDA error:\s*out of memory|cuda runtime error \(2\)\s*:\s*out of memory"
-    r"|HIP out of memory|hipErrorOutOfMemory|MPS backend out of memory|XPU out of memory"
-    r"|CUBLAS_STATUS_ALLOC_FAILED|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
-    r"|Torch: not enough memory", re.I)
-_POSSIBLE_RE = re.compile(r"CUDNN_STATUS_NOT_SUPPORTED", re.I)
-CHAIN_LIMIT = 256     # exceptions followed along one chain (a retry loop chains one per failure)
 
 
 def attach_note(exc: BaseException, note: str) -> None:
@@ -47,96 +30,14 @@ def attach_note(exc: BaseException, note: str) -> None:
         print(note, file=sys.stderr)
 
 
-def _text(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:  # a broken __str__ must not break the classification of the error
-        return ""
-
-
-def _is_torch_oom_class(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    oom_class = oom_error_class(torch) if torch is not None else None
-    if oom_class is not None and isinstance(exc, oom_class):
-        return True
-    return any(c.__name__ == "OutOfMemoryError" and (c.__module__ or "").split(".")[0] == "torch"
-               for c in type(exc).__mro__)
-
-
-def message_kind(text: str) -> str | None:
-    """What an error message alone says: 'oom', 'possible', 'fatal' or None."""
-    if _FATAL_RE.search(text):
-        return "fatal"
-    if _OOM_RE.search(text):
-        return "oom"
-    if _POSSIBLE_RE.search(text):
-        return "possible"
-    return None
-
-
-def _kind_of_one(exc: BaseException) -> str | None:
-    kind = message_kind(_text(exc))
-    if kind is None and (_is_torch_oom_class(exc) or isinstance(exc, MemoryError)):
-        return "oom"
-    return kind
-
-
-def exception_chain(exc: BaseException | None, limit: int = CHAIN_LIMIT):
-    """exc, then its causes and contexts (and the members of exception groups), each once, at most
-    `limit` of them (a chain can be a cycle, or as long as a loop that raised inside `except`)."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack and len(seen) < limit:
-        e = stack.pop()
-        if e is None or id(e) in seen or not isinstance(e, BaseException):
-            continue
-        seen.add(id(e))
-        yield e
-        following = [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-        stack.extend(reversed([f for f in following if isinstance(f, BaseException)]))
-
-
-def oom_kind(exc: BaseException | None) -> str | None:
-    """'oom', 'possible' (cuDNN's NOT_SUPPORTED), 'fatal' (needs a kernel restart) or None.
-
-    Looks at the exception and its `__cause__` / `__context__` chain. 'fatal' wins over 'oom' (a
-    context that is unusable cannot be saved by freeing memory), and 'oom' over 'possible'.
-    """
-    if exc is None:
-        return None
-    kinds = {_kind_of_one(e) for e in exception_chain(exc)}
-    for kind in ("fatal", "oom", "possible"):
-        if kind in kinds:
-            return kind
-    return None
-
-
-def is_oom(exc: BaseException | None) -> bool:
-    """True for an out-of-memory error, including cuDNN's possible one; False for fatal CUDA errors."""
-    return oom_kind(exc) in ("oom", "possible")
-
-
-def find_oom(exc: BaseException | None) -> BaseException | None:
-    """The exception in the chain that carries the out-of-memory message, or None.
-
-    Prefers a definite OOM over a possible one; None where the chain holds a fatal CUDA error.
-    """
-    if exc is None or oom_kind(exc) not in ("oom", "possible"):
-        return None
-    found = {}
-    for e in exception_chain(exc):
-        found.setdefault(_kind_of_one(e), e)
-    return found.get("oom") or found.get("possible")
-
-
 def oom_fields(exc: BaseException | None) -> OomFields | None:
     """The parsed message of the OOM in `exc`'s chain, or None when there is no OOM in it."""
     carrier = find_oom(exc)
     if carrier is None:
         return None
-    text = _text(carrier)
+    text = error_text(carrier)
     fields = parse_oom_message(text)
-    if isinstance(carrier, MemoryError) and not _OOM_RE.search(text):
+    if isinstance(carrier, MemoryError) and not OOM_MESSAGE.search(text):
         fields.backend, fields.device = "cpu", "cpu"
     fields.message = fields.message or type(carrier).__name__
     return fields
