@@ -5,12 +5,17 @@ a list of predictions reaches too. So each name gets two figures: `bytes`, the s
 (what `del name` frees), and `shared`, what it reaches together with other names. Each also gets a kind,
 so that the diagnosis can tell what is expected (a model being trained, its optimizer) from what
 surprises (graphs kept by logged losses, a second copy of a model, stale activations).
+
+The notebook's holders (`notebook_holders`) are what the diagnosis reads at a failure; `%freecuda` lists
+what still holds memory after its release in rows that add up (`held_rows`, `sharing_notes`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cuda_magic.devices.probe import loaded_torch
+from cuda_magic.devices.probe import has_gpu, loaded_torch
+from cuda_magic.devices.simulated import active_device
+from cuda_magic.ipython import user_variables
 from cuda_magic.memory.reach import device_storages, skipped
 
 
@@ -111,3 +116,65 @@ def union_bytes(holders, others=()) -> int:
         for key in h.reached:
             seen.pop(key, None)
     return sum(seen.values()) + alone
+
+
+# ---------------------------------------------------------------------------- the notebook's names
+
+def held_storages(value) -> dict[int, int]:
+    """{storage id: bytes} of the device memory `value` reaches. With a simulated device standing in for
+    a GPU, only what it counts: a tensor offloaded off it no longer holds device memory."""
+    storages = device_storages(value)
+    sim = active_device()
+    if sim is not None and storages and not has_gpu():
+        storages = {k: b for k, b in storages.items() if sim.counts(k)}
+    return storages
+
+
+def holders_largest_first(shell, exclude=()) -> list[Holder]:
+    """The user variables (but `exclude`) that reach device memory, as Holders, the largest first."""
+    variables = {k: v for k, v in user_variables(shell).items() if k not in exclude}
+    held = name_holders(variables, storages_of=held_storages)
+    held.sort(key=lambda h: (-h.bytes, -h.shared, h.name))
+    return held
+
+
+def held_rows(holders) -> list[tuple[str, int]]:
+    """What still holds device memory, in rows whose sizes add up to the union: each name with what deleting
+    it alone gives back, and each group of names that reach the same memory ("model, opt": the parameters)
+    with what only deleting all of them gives back. Largest first."""
+    rows = [(h.name, h.bytes) for h in holders if h.bytes > 0]
+    for group in sharing_groups(holders):
+        members = [h for h in holders if h.name in group]
+        together = union_bytes(members) - sum(h.bytes for h in members)
+        if together > 0:
+            rows.append((", ".join(sorted(group)), together))
+    rows.sort(key=lambda row: (-row[1], row[0]))
+    return rows
+
+
+def sharing_groups(holders) -> list[set[str]]:
+    """The names that reach the same device memory, grouped (what one shares with another, transitively)."""
+    groups: list[set[str]] = []
+    for h in holders:
+        if not h.shared_with:
+            continue
+        linked = {h.name, *h.shared_with}
+        touching = [g for g in groups if g & linked]
+        for g in touching:
+            linked |= g
+            groups.remove(g)
+        groups.append(linked)
+    return groups
+
+
+def sharing_notes(holders) -> list[str]:
+    """One line per group of names that share device memory: deleting one of them alone gives none of it back."""
+    return [f"{', '.join(sorted(g))} share memory: deleting one of them alone gives none of what they share back"
+            for g in sharing_groups(holders)]
+
+
+def notebook_holders(shell) -> list[Holder]:
+    """The names holding device memory, as the diagnosis needs them: what deleting
+    each gives back, what it shares with other names (a model and its optimizer share the parameters),
+    and its kind (a model being trained and its optimizer are expected; logged graphs are not)."""
+    return name_holders(user_variables(shell), storages_of=held_storages)

@@ -4,7 +4,8 @@ A failed cell's tensors stay alive through references that only the notebook mac
 `sys.last_*`, IPython's stored traceback, the last `ExecutionResult`, the frames of the traceback (and
 their cached `f_locals`), and the output cache (`_`, `__`, `___`, `_N`, `Out[N]`, the displayhook's own
 attributes). This module drops those, never a user variable unless it is named, then collects garbage and
-empties the allocator cache, in that order.
+empties the allocator cache, in that order. What still holds memory after it (the names, what deleting
+each gives back) is memory/holders.py's.
 
 torch is never imported here: a tensor can only exist once the user imported torch, so the module is
 looked up in `sys.modules`.
@@ -17,8 +18,8 @@ from cuda_magic.ipython import shell_or_current, user_variables
 from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception_refs, drop_output_cache
 from cuda_magic.devices.probe import cuda_started, has_gpu, loaded_torch, mps_available, xpu_started
 from cuda_magic.devices.simulated import active_device
-from cuda_magic.memory.holders import name_holders, union_bytes
-from cuda_magic.memory.reach import device_storages, storage_key_and_bytes
+from cuda_magic.memory.holders import held_rows, held_storages, holders_largest_first, sharing_notes
+from cuda_magic.memory.reach import storage_key_and_bytes
 from cuda_magic.units import format_bytes
 from cuda_magic.recover.report import ReleaseReport
 
@@ -108,74 +109,9 @@ def empty_caches(meter=None) -> None:
 
 # ------------------------------------------------------------------------------ user variables
 
-def held_storages(value) -> dict[int, int]:
-    """{storage id: bytes} of the device memory `value` reaches. With a simulated device standing in for
-    a GPU, only what it counts: a tensor offloaded off it no longer holds device memory."""
-    storages = device_storages(value)
-    sim = active_device()
-    if sim is not None and storages and not has_gpu():
-        storages = {k: b for k, b in storages.items() if sim.counts(k)}
-    return storages
-
-
-def device_holders(shell, exclude=()) -> list[tuple[str, int]]:
-    """(variable, bytes that deleting it alone gives back) for the user variables that reach device memory,
-    the largest first; a variable that only shares what it reaches with others gives back 0."""
-    return [(h.name, h.bytes) for h in _holders(shell, exclude)]
-
-
-def _holders(shell, exclude=()) -> list:
-    variables = {k: v for k, v in user_variables(shell).items() if k not in exclude}
-    held = name_holders(variables, storages_of=held_storages)
-    held.sort(key=lambda h: (-h.bytes, -h.shared, h.name))
-    return held
-
-
-def held_rows(holders) -> list[tuple[str, int]]:
-    """What still holds device memory, in rows whose sizes add up to the union: each name with what deleting
-    it alone gives back, and each group of names that reach the same memory ("model, opt": the parameters)
-    with what only deleting all of them gives back. Largest first."""
-    rows = [(h.name, h.bytes) for h in holders if h.bytes > 0]
-    for group in sharing_groups(holders):
-        members = [h for h in holders if h.name in group]
-        together = union_bytes(members) - sum(h.bytes for h in members)
-        if together > 0:
-            rows.append((", ".join(sorted(group)), together))
-    rows.sort(key=lambda row: (-row[1], row[0]))
-    return rows
-
-
-def sharing_groups(holders) -> list[set[str]]:
-    """The names that reach the same device memory, grouped (what one shares with another, transitively)."""
-    groups: list[set[str]] = []
-    for h in holders:
-        if not h.shared_with:
-            continue
-        linked = {h.name, *h.shared_with}
-        touching = [g for g in groups if g & linked]
-        for g in touching:
-            linked |= g
-            groups.remove(g)
-        groups.append(linked)
-    return groups
-
-
-def sharing_notes(holders) -> list[str]:
-    """One line per group of names that share device memory: deleting one of them alone gives none of it back."""
-    return [f"{', '.join(sorted(g))} share memory: deleting one of them alone gives none of what they share back"
-            for g in sharing_groups(holders)]
-
-
-def shared_holders(shell) -> list:
-    """The names holding device memory, as the diagnosis needs them (memory.holders.Holder): what deleting
-    each gives back, what it shares with other names (a model and its optimizer share the parameters),
-    and its kind (a model being trained and its optimizer are expected; logged graphs are not)."""
-    return name_holders(user_variables(shell), storages_of=held_storages)
-
-
 def all_device_variables(shell) -> list[str]:
     """The user variables `%freecuda --all` deletes: those holding device tensors, largest first."""
-    return [h.name for h in _holders(shell_or_current(shell))]
+    return [h.name for h in holders_largest_first(shell_or_current(shell))]
 
 
 # -------------------------------------------------------------------------------------- release
@@ -193,7 +129,7 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
     if dry_run:
         report.dropped += drop_exception_refs(shell, dry_run=True)
         report.dropped += drop_output_cache(shell, dry_run=True) if shell is not None else []
-        held = _holders(shell, exclude)
+        held = holders_largest_first(shell, exclude)
         report.still_held = held_rows(held)
         report.notes += sharing_notes(held)
         report.notes.append("dry run: nothing was changed")
@@ -217,7 +153,7 @@ def _release(shell, *, dry_run: bool, change_namespace=None, report: ReleaseRepo
         report.notes.append("no GPU: the simulated device stands in for one (the tensors it counts are listed)"
                             if active_device() is not None else
                             "no GPU: the CPU is the device (CPU tensors are counted)")
-    held = _holders(shell)
+    held = holders_largest_first(shell)
     report.still_held = held_rows(held)
     report.notes += sharing_notes(held)
     return report

@@ -319,10 +319,10 @@ class GuardedRun:
         import collections
 
         from cuda_magic.oom.cell_reading import bound_before_read, names_in
-        from cuda_magic.recover.cleanup import shared_holders
+        from cuda_magic.memory.holders import notebook_holders
 
         variables = user_variables(self.shell)
-        failure.holders = tuple(shared_holders(self.shell))
+        failure.holders = tuple(notebook_holders(self.shell))
         used = names_in(failure.source)
         # a name the cell binds before it reads: still its old value (the cell had not got there), which the
         # cell only replaces, so deleting it helps; or a value this run bound, the step's own
@@ -444,13 +444,13 @@ class GuardedRun:
         from cuda_magic.devices.allocator_conf import current_allocator_conf
         from cuda_magic.oom.cell_reading import batch_names
         from cuda_magic.oom.diagnosis import CellFacts, diagnose, tensor_request
-        from cuda_magic.recover.cleanup import shared_holders
+        from cuda_magic.memory.holders import notebook_holders
 
         report, failure = self.report, self.failure
         box = report.blackbox
         failed = box.failure if box is not None else None
         top = box.top if box is not None and box.at == "failure" else None
-        holders = failure.holders if failure is not None and failure.holders is not None else shared_holders(self.shell)
+        holders = failure.holders if failure is not None and failure.holders is not None else notebook_holders(self.shell)
         start = report.attempts[-1].start_allocated if report.attempts else None
         batch_var, accum_var = report.variable, report.accumulate
         if batch_var is None and failure is not None:     # the cell's own names, for a line to paste
