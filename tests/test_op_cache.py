@@ -150,3 +150,45 @@ def test_an_output_that_is_an_input_is_not_kept(mode_and_cache):
     key = cache.key(func, (x,), {})
     cache.remember(key, (x,), {}, x)        # an op that hands its input back (as a decomposition may)
     assert cache.outputs(key, (x,)) is None
+
+
+def test_one_table_of_op_facts_read_from_the_schemas():
+    """devices/op_metadata.py reads an op's schema once for the simulated device's count, the fake run and
+    its op cache. Schemas from aten/src/ATen/native/native_functions.yaml (torch 2.2 to 2.13)."""
+    import torch
+
+    from cuda_magic.devices.op_metadata import call_key, op_facts
+
+    aten = torch.ops.aten
+    # view(Tensor(a) self, SymInt[] size) -> Tensor(a): makes nothing, a view of its first argument
+    assert op_facts(aten.view.default)[:6] == ((False,), False, False, False, True, True)
+    # mm(Tensor self, Tensor mat2) -> Tensor: one fresh storage
+    assert op_facts(aten.mm.default)[:6] == ((True,), True, False, False, False, True)
+    # zeros(SymInt[] size, *, ScalarType? dtype=None, ..., Device? device=None, ...) -> Tensor
+    assert op_facts(aten.zeros.default).has_device
+    # randn(...) -> Tensor, tagged nondeterministic_seeded: its outputs are not kept
+    assert not op_facts(aten.randn.default).cacheable
+    # lift_fresh(Tensor(a) self) -> Tensor(a); set_.source_Storage wraps a storage; set_.source_Tensor does not
+    assert op_facts(aten.lift_fresh.default).lifted and op_facts(aten.set_.source_Storage).lifted
+    assert not op_facts(aten.set_.source_Tensor).lifted and not op_facts(aten.lift_fresh.default).cacheable
+    # add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!); _foreach_add_.Scalar
+    # (Tensor(a!)[] self, Scalar scalar) -> (); resize_ changes metadata; add.out writes its out= argument
+    assert op_facts(aten.add_.Tensor).writes_first and op_facts(aten._foreach_add_.Scalar).writes_first
+    assert not op_facts(aten.resize_.default).writes_first and not op_facts(aten.add.out).writes_first
+    assert op_facts(aten.mm.default) is op_facts(aten.mm.default)          # read once
+
+    a, b = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)
+    assert call_key(aten.mm.default, (a, a.T), {}) == call_key(aten.mm.default, (a + 1, a.T), {})
+    assert call_key(aten.add.Tensor, (a, a), {}) != call_key(aten.add.Tensor, (a, b), {})
+    assert call_key(aten.add_.Scalar, (a, 0.1), {}) != call_key(aten.add_.Scalar, (a, 0.2), {})
+    assert (call_key(aten.add_.Scalar, (a, 0.1), {}, floats_by_type=True)
+            == call_key(aten.add_.Scalar, (a, 0.2), {}, floats_by_type=True))
+    old = torch.get_default_dtype()
+    key = call_key(aten.zeros.default, ([3],), {})
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert call_key(aten.zeros.default, ([3],), {}) != key                # the default dtype is in it
+    finally:
+        torch.set_default_dtype(old)
+    with pytest.raises(TypeError):
+        call_key(aten.mm.default, (a, a.T), {"unhashable": [{1, 2}]})

@@ -279,13 +279,13 @@ def test_output_sizes_are_predicted_once_per_shape(torch_warm):
         a = torch.ones(256, 256)
         for _ in range(3):
             b = a @ a
-        cached = len(dev._mode.predicted)
+        cached = len(dev.counting_mode.predicted)
         b = a @ a
-        assert len(dev._mode.predicted) == cached
+        assert len(dev.counting_mode.predicted) == cached
         big = torch.ones(4096, 512)
         with pytest.raises(torch.cuda.OutOfMemoryError):
             big @ big.T             # 22 MiB reserved (a 2 MiB and a 20 MiB segment), 64 MiB more asked
-        assert len(dev._mode.predicted) > cached
+        assert len(dev.counting_mode.predicted) > cached
         assert dev.allocated == (256 * 256 + 256 * 256 + 4096 * 512) * 4
 
 
@@ -304,3 +304,28 @@ def test_each_tensor_of_a_foreach_ops_list_is_counted():
             out = torch._foreach_add(xs, 1.0)
             assert device.allocated - before == 4 * each, allocator
             del xs, out
+
+
+def test_a_remembered_size_is_not_used_after_the_default_dtype_changed():
+    """The sizes the meta pass found are remembered by the call's key (devices/op_metadata.py), which holds
+    the default dtype: `torch.zeros(n)` in float64 after the same call in float32 takes twice the bytes, and
+    fails before allocating where they do not fit (the key had the arguments only: the plain count took
+    110 MiB of 100 with no error, and the message said 30 MiB were asked)."""
+    import torch
+
+    from cuda_magic.devices.simulated import SimulatedDevice
+
+    n = 30 * 2**20 // 4
+    for allocator in ("plain", "caching"):
+        with SimulatedDevice(100 << 20, allocator=allocator) as dev:
+            a = torch.zeros(n)                        # 30 MiB in float32: its size remembered
+            del a
+            held = torch.empty(50 << 20, dtype=torch.uint8)
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)
+            try:
+                with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate 60.00 MiB"):
+                    torch.zeros(n)                    # 60 MiB: 110 of 100
+            finally:
+                torch.set_default_dtype(old)
+            assert dev.allocated <= dev.capacity and held.numel() == 50 << 20

@@ -24,6 +24,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 
+from cuda_magic.devices.op_metadata import call_key, op_facts
 from cuda_magic.devices.probe import real_storage, subclasses
 from cuda_magic.devices.readings import DeviceMemory
 
@@ -59,12 +60,6 @@ def _get_mode_class():
 
     meta = torch.device("meta")
     tensor_type = torch.Tensor
-    # tensors over a storage made outside the dispatcher: a tensor literal's data, lifted; a storage that
-    # copy.deepcopy, torch.load or UntypedStorage(n) made, wrapped by set_ (a deep copy of a state dict
-    # is device memory on a GPU too)
-    lift_fresh = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
-                  torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
-    schemas: dict = {}      # op -> (fresh per return, any fresh, has a device argument, lifted)
 
     def to_meta(x):
         if isinstance(x, tensor_type):
@@ -73,38 +68,21 @@ def _get_mode_class():
             return meta
         return x
 
-    def shape_key(x):
-        """What an op's meta kernel sees of an argument: a tensor's metadata, never its values."""
-        if isinstance(x, tensor_type):
-            return (x.shape, x.dtype, x.stride(), x.storage_offset(), x.device.type, x.layout)
-        if isinstance(x, (list, tuple)):
-            return (type(x), *map(shape_key, x))
-        if isinstance(x, dict):
-            return (dict, *((k, shape_key(v)) for k, v in x.items()))
-        hash(x)             # an unhashable argument: not cached (TypeError)
-        return x
-
     class SimulatedMemoryMode(TorchDispatchMode):
         def __init__(self, device: SimulatedDevice):
             super().__init__()
             self.device = device
-            # Bytes an op's fresh outputs take, by op and argument metadata: a training step repeats the
-            # same ops on the same shapes, so the meta pass runs once per shape, not once per call.
+            # Bytes an op's fresh outputs take, by the call's key (devices/op_metadata.py): a training step
+            # repeats the same ops on the same shapes, so the meta pass runs once per key, not once per call.
             self.predicted: dict = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            info = schemas.get(func)
-            if info is None:
-                schema = func._schema
-                fresh = tuple(r.alias_info is None for r in schema.returns)
-                # a view op (every return an alias that is not written: view, t, detach, expand) makes no
-                # storage and resizes none: nothing to count after it
-                views = bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write
-                                                     for r in schema.returns)
-                info = schemas[func] = (fresh, any(fresh), any(a.name == "device" for a in schema.arguments),
-                                        func in lift_fresh, views)
-            fresh, any_fresh, has_device, lifted, views = info
+            facts = op_facts(func)
+            fresh, any_fresh, has_device, lifted = facts.fresh, facts.any_fresh, facts.has_device, facts.lifted
+            # a view op (every return an alias that is not written: view, t, detach, expand) makes no
+            # storage and resizes none: nothing to count after it
+            views = facts.views
             if any_fresh and self.device.checks_before:
                 needed = self._predict(func, fresh, has_device, args, kwargs)
                 if needed:
@@ -116,13 +94,12 @@ def _get_mode_class():
                     self.device._drop_pending()
                 raise
             if not views or lifted:
-                self.device._track_outputs(out, fresh, lifted)
+                self.device.track_outputs(out, fresh, lifted)
             return out
 
         def _predict(self, func, fresh, has_device, args, kwargs):
             try:
-                key = (func, shape_key(args), shape_key(kwargs))
-                hash(key)
+                key = call_key(func, args, kwargs)
             except (TypeError, RuntimeError, NotImplementedError):   # unhashable, or no strides (sparse)
                 key = None
             if key is not None:
@@ -250,6 +227,12 @@ class SimulatedDevice:
         return self._mode is not None
 
     @property
+    def counting_mode(self):
+        """The dispatch mode counting for this device now (None when stopped): a fake run's holds its
+        stand-in values' lines."""
+        return self._mode
+
+    @property
     def live_storages(self) -> int:
         return len(self._live)
 
@@ -375,7 +358,7 @@ class SimulatedDevice:
     def _check(self, needed) -> None:
         """Before an op runs: whether its fresh storages fit. `needed`: their sizes in bytes, in the order
         the op makes them (a tuple), or one size (an int). The caching allocator takes their blocks now
-        (`_pending`, given to the storages as they appear, `_track_outputs`); what does not fit raises
+        (`_pending`, given to the storages as they appear, `track_outputs`); what does not fit raises
         the out-of-memory error before memory is really taken."""
         if not needed:
             return
@@ -501,7 +484,10 @@ class SimulatedDevice:
             "expandable_segments:True to avoid fragmentation.")
         return oom_error_class()(msg)
 
-    def _track_outputs(self, out, fresh, lifted: bool) -> None:
+    def track_outputs(self, out, fresh, lifted: bool) -> None:
+        """Count the storages an op made (`out`; `fresh`: per return, whether it is new, devices/op_metadata.py's
+        OpFacts; `lifted`: storages made outside the dispatcher, counted as new): what a counting mode calls
+        after each op."""
         tensor_type = _tensor_type
         # an op of several returns gives a tuple; a list is one return of type Tensor[] (the _foreach_ ops),
         # each of its tensors counted

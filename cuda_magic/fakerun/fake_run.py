@@ -147,6 +147,7 @@ def _run_mode_class():
 
     from torch.utils._python_dispatch import _disable_current_modes as disabled
 
+    from cuda_magic.devices.op_metadata import op_facts
     from cuda_magic.devices.simulated import counting_mode_class
 
     from torch._subclasses.fake_tensor import FakeTensor as fake_type
@@ -173,7 +174,6 @@ def _run_mode_class():
         def __init__(self, device, cell_filename, real_of, cache=None):
             super().__init__(device)
             self.cache = cache                # fakerun/op_cache.py: repeated ops skip FakeTensorMode
-            self.fresh: dict = {}             # op -> whether each return is fresh (None: none is)
             self.cell_filename = cell_filename
             self.real_of = real_of            # id(fake copy of a one-element tensor) -> its real value
             self.lines: list[str] = []
@@ -225,7 +225,7 @@ def _run_mode_class():
             if cache is not None and cache.writes_first(func):
                 key = cache.in_place_key(func, args, kwargs)
                 if key is not None and cache.ran_in_place(key):
-                    out = args[0] if func._schema.returns else None
+                    out = args[0] if op_facts(func).fresh else None   # (one entry per return)
                 else:
                     out = count_dispatch(self, func, types, args, kwargs)
                     if key is not None:
@@ -236,12 +236,9 @@ def _run_mode_class():
             if key is not None:
                 out = cache.outputs(key, args)
                 if out is not None:
-                    if func not in self.fresh:  # a view op's returns are not fresh: nothing to count, as in
-                        fresh = tuple(r.alias_info is None for r in func._schema.returns)   # its dispatch
-                        self.fresh[func] = fresh if any(fresh) else None
-                    fresh = self.fresh[func]
-                    if fresh is not None:
-                        self.device._track_outputs(out, fresh, False)
+                    facts = op_facts(func)      # a view op's returns are not fresh: nothing to count, as in
+                    if facts.any_fresh:         # its dispatch
+                        self.device.track_outputs(out, facts.fresh, False)
                     self.uniform.after(func, args, kwargs, out)
                     return out
             out = count_dispatch(self, func, types, args, kwargs)
@@ -353,7 +350,7 @@ class FakeRunner:
         stop = enough = None
         try:
             with hooks, fake_mode, device, self.autocast():
-                stand_ins = device._mode
+                stand_ins = device.counting_mode
                 try:
                     self.call()
                 except Enough as done:

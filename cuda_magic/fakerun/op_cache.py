@@ -3,10 +3,10 @@ ops (a training step repeats the same ops on the same shapes) skip torch's FakeT
 
 FakeTensorMode (torch/_subclasses/fake_tensor.py) caches too, from 2.3 on, but its key (`_cache_key`,
 `_prep_args_for_hash`, a `TensorMetadata` of twenty fields for every tensor argument) costs more than the
-rest of a fake op; torch 2.2 has no cache at all. This one keys an op on what its meta kernel reads of its
-arguments (a tensor's sizes, strides, offset, dtype, layout and device; every other argument as it is) and
-the state that can change an output's metadata below autograd (the default dtype, inference mode), and
-makes each output as FakeTensorMode's own cache does (`_get_output_tensor_from_cache_entry`: an
+rest of a fake op; torch 2.2 has no cache at all. This one keys a call as the simulated device's count
+does (devices/op_metadata.py's `call_key`: what its meta kernel reads of its arguments, and the state that
+can change an output's metadata below autograd, the default dtype and inference mode), reads an op's
+schema from the same table (`op_facts`), and makes each output as FakeTensorMode's own cache does (`_get_output_tensor_from_cache_entry`: an
 `empty_strided` on the meta device, wrapped in a FakeTensor of the fake device). What a key gives follows
 from the key alone, so the fake runs of a process share the entries.
 
@@ -31,17 +31,13 @@ runs above the fake run's modes on what they return, as for FakeTensorMode's own
 """
 from __future__ import annotations
 
+from cuda_magic.devices.op_metadata import arg_key, call_key, op_facts
+
 MAX_ENTRIES = 20_000           # keys kept (every fake run of the process shares them); past this: anew
 _NO = object()                 # the key is known not to be kept
 _ENTRIES: dict = {}            # key -> (the container of several outputs or None, each output's metadata,
                                # whether any is a view of the first argument)
-_OPS: dict = {}                # op -> whether its kind may be kept
-_IN_PLACE: dict = {}           # op -> whether it writes only its first argument, metadata unchanged
 _DONE = True                   # an in-place key that ran cleanly
-# alias-returning ops whose output is not a plain view of the first argument's storage: a tensor lifted
-# into the fake mode (devices/simulated.py counts it as new), or one whose result depends on more than
-# metadata
-_NOT_VIEWS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::set_", "aten::alias_copy"})
 
 
 class OpCache:
@@ -54,60 +50,22 @@ class OpCache:
         self.strided = torch.strided
         self.meta = torch.device("meta")
         self.no_dispatch = torch._C._DisableTorchDispatch
-        seeded = getattr(torch.Tag, "nondeterministic_seeded", None)
-        self._seeded = seeded
-        self._ops = _OPS
-        self._in_place = _IN_PLACE
-        self._inplace_view = getattr(torch.Tag, "inplace_view", None)
         self.entries = _ENTRIES          # an output's metadata follows from the key alone: shared by runs
         self.hits = self.misses = 0
 
-    # -- which ops --------------------------------------------------------------------------------------
+    # -- which ops (devices/op_metadata.py's OpFacts) ---------------------------------------------------
     def keeps(self, func) -> bool:
-        ok = self._ops.get(func)
-        if ok is None:
-            schema = func._schema
-            returns, arguments = schema.returns, schema.arguments
-            fresh = (all(r.alias_info is None for r in returns)
-                     and all(a.alias_info is None for a in arguments))
-            view = (bool(arguments) and arguments[0].alias_info is not None
-                    and not arguments[0].alias_info.is_write
-                    and all(a.alias_info is None for a in arguments[1:])
-                    and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-                    and schema.name not in _NOT_VIEWS)
-            ok = (bool(returns) and (fresh or view)
-                  and (self._seeded is None or self._seeded not in func.tags)
-                  and all(str(r.type) in ("Tensor", "Tensor[]", "List[Tensor]") for r in returns))
-            self._ops[func] = ok
-        return ok
+        """An op whose outputs follow from its arguments' metadata (fresh, or views of its first argument)."""
+        return op_facts(func).cacheable
 
     def writes_first(self, func) -> bool:
         """An in-place op that writes its first argument only, and returns it or nothing."""
-        ok = self._in_place.get(func)
-        if ok is None:
-            schema = func._schema
-            arguments, returns = schema.arguments, schema.returns
-            first = arguments[0].alias_info if arguments else None
-            name = schema.name
-            ok = (first is not None and first.is_write
-                  and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:])
-                  and not any(getattr(a, "is_out", False) for a in arguments)
-                  and (not returns or (len(returns) == 1 and returns[0].alias_info is not None
-                                       and returns[0].alias_info.is_write
-                                       and str(returns[0].type) == str(arguments[0].type)))
-                  and (self._inplace_view is None or self._inplace_view not in func.tags)
-                  and "resize" not in name and name not in ("aten::set_", "aten::detach_", "aten::swap_tensors"))
-            self._in_place[func] = ok
-        return ok
+        return op_facts(func).writes_first
 
     def in_place_key(self, func, args, kwargs):
         """The key of an in-place call (floats by type), or None where it cannot be kept."""
-        torch = self.torch
         try:
-            key = (func, tuple(self._loose(a) for a in args),
-                   tuple((k, self._loose(v)) for k, v in kwargs.items()) if kwargs else (),
-                   torch.get_default_dtype(), torch.is_inference_mode_enabled())
-            hash(key)
+            key = call_key(func, args, kwargs, check=self._check, floats_by_type=True)
         except (_Skip, TypeError, RuntimeError, NotImplementedError, AttributeError):
             return None
         return key
@@ -124,41 +82,25 @@ class OpCache:
         first = args[0]
         if out is not None and out is not first:
             return
-        if isinstance(first, self.tensor_type) and self._arg(first) != key[1][0]:
+        if isinstance(first, self.tensor_type) and arg_key(first) != key[1][0]:
             return
         if len(self.entries) >= MAX_ENTRIES:
             self.entries.clear()
         self.entries[key] = _DONE
 
-    # -- the key ----------------------------------------------------------------------------------------
-    def _loose(self, x):
-        return float if type(x) is float else self._arg(x)
-
-    def _arg(self, x):
-        if isinstance(x, self.tensor_type):
-            if type(x) is not self.fake_type or x.fake_mode is not self.mode or x.constant is not None:
-                raise _Skip
-            dtype = x.dtype
-            if dtype.is_complex or x.layout is not self.strided:
-                raise _Skip
-            return (x.shape, x.stride(), x.storage_offset(), dtype, x.fake_device, x.requires_grad)
-        if isinstance(x, (list, tuple)):
-            return (type(x), *map(self._arg, x))
-        if isinstance(x, dict):
-            return (dict, *((k, self._arg(v)) for k, v in x.items()))
-        hash(x)                         # unhashable: not kept (TypeError)
-        return x
+    # -- the key (devices/op_metadata.py's call_key), for this run's fake tensors only -------------------
+    def _check(self, x) -> None:
+        if type(x) is not self.fake_type or x.fake_mode is not self.mode or x.constant is not None:
+            raise _Skip
+        if x.dtype.is_complex or x.layout is not self.strided:
+            raise _Skip
 
     def key(self, func, args, kwargs):
         """The key of this call, or None where it cannot be kept."""
-        torch = self.torch
         try:
-            key = (func, self._arg(args), self._arg(kwargs) if kwargs else (), torch.get_default_dtype(),
-                   torch.is_inference_mode_enabled())
-            hash(key)
+            return call_key(func, args, kwargs, check=self._check)
         except (_Skip, TypeError, RuntimeError, NotImplementedError, AttributeError):
             return None
-        return key
 
     # -- entries ----------------------------------------------------------------------------------------
     def outputs(self, key, args=()):
