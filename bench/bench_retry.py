@@ -70,7 +70,7 @@ class SimRunner:
     def __call__(self, value: int) -> Outcome:
         import torch
 
-        from cuda_magic.oom.classify import parse_oom_message
+        from cuda_magic.oom.messages import parse_oom_message
         from cuda_magic.devices.simulated import SimulatedDevice
 
         dev = SimulatedDevice(self.capacity)

@@ -16,7 +16,7 @@ _API = {
     "explain": ("cuda_magic.oom.diagnosis", "explain"),
     "release": ("cuda_magic.recover.cleanup", "release"),
     "snapshot": ("cuda_magic.memory.capture", "snapshot"),
-    "is_oom": ("cuda_magic.oom.classify", "is_oom"),
+    "is_oom": ("cuda_magic.devices.errors", "is_oom"),
     "oomguard": ("cuda_magic.api", "oomguard"),
     "predict": ("cuda_magic.api", "predict"),
     "SimulatedDevice": ("cuda_magic.devices.simulated", "SimulatedDevice"),

@@ -436,7 +436,7 @@ def test_plain_count_is_kept_as_an_option(torch_warm):
 
 def test_fragmentation_on_the_simulated_device_is_in_its_message_and_fails_before_allocating(torch_warm):
     from cuda_magic.devices.simulated import SimulatedDevice
-    from cuda_magic.oom.classify import parse_oom_message
+    from cuda_magic.oom.messages import parse_oom_message
 
     with SimulatedDevice(80 * MiB, conf="") as dev:
         a = torch.empty(60 * MiB, dtype=torch.uint8)

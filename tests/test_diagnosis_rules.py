@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from cuda_magic.memory.holders import Holder, name_holders
-from cuda_magic.oom.classify import parse_oom_message
+from cuda_magic.oom.messages import parse_oom_message
 from cuda_magic.oom.diagnosis import SHOWN, diagnose, explain
 from oom_messages import MESSAGES
 

@@ -3,7 +3,7 @@ import pytest
 
 from cuda_magic.devices.allocator_conf import (NEW_SETTER, OLD_SETTER, current_allocator_conf, enable_expandable_segments, expandable_segments_line, merge_conf, parse_conf, runtime_allocator_conf)
 from cuda_magic.oom.diagnosis import CAUSE_LABELS, diagnose, explain
-from cuda_magic.oom.classify import FATAL_NOTE
+from cuda_magic.oom.messages import FATAL_NOTE
 from cuda_magic.oom.findings import OomFields
 from cuda_magic.units import format_bytes
 

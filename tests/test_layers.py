@@ -10,9 +10,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cuda_magic"
 # Layer of each top-level name in the package, lowest first. A module may import its own layer and below.
 LAYERS = {
     "units": 0, "paths": 0, "ipython": 0, "reprs": 0,   # small shared helpers
-    "devices": 1,     # reading devices: backends, NVML, the simulated device, meters, allocator settings
+    "devices": 1,     # reading devices, which errors are OOMs, the simulated device, meters, allocator settings
     "memory": 2,      # records of tensors and snapshots, the census, reachability, the per-cell watch
-    "oom": 3,         # classifying and parsing OOM errors, the diagnosis and its advice
+    "oom": 3,         # parsing OOM messages, the diagnosis and its advice
     "recover": 4,     # running a guarded call, retry policy, release, notebook references, offload, reports
     "fakerun": 5,     # predicting a cell's memory from fake runs, before running it
     "display": 6,     # text, HTML, widget

@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from cuda_magic.oom.classify import (FATAL_NOTE, find_oom, is_oom, message_kind, oom_fields, oom_kind, parse_oom_message)
+from cuda_magic.devices.errors import find_oom, is_oom, message_kind, oom_kind
+from cuda_magic.oom.messages import FATAL_NOTE, oom_fields, parse_oom_message
 from cuda_magic.oom.findings import OomFields
 
 from oom_messages import FATAL, MESSAGES, NOT_OOM
@@ -202,7 +203,7 @@ def test_cycles_in_the_chain_terminate():
 
 
 def test_the_one_chain_walker_is_bounded_and_visits_each_once():
-    from cuda_magic.oom.classify import CHAIN_LIMIT, exception_chain
+    from cuda_magic.devices.errors import CHAIN_LIMIT, exception_chain
 
     errors = [RuntimeError(f"step {i}") for i in range(CHAIN_LIMIT + 50)]
     for a, b in zip(errors, errors[1:]):
@@ -254,7 +255,7 @@ def test_the_processes_a_message_lists_are_parsed():
     use", c10/cuda/CUDACachingAllocator.cpp reportProcessMemoryInfo): each is (pid, bytes)."""
     from oom_messages import MESSAGES
 
-    from cuda_magic.oom.classify import parse_oom_message
+    from cuda_magic.oom.messages import parse_oom_message
 
     text = next(m["text"] for m in MESSAGES if m["source"].endswith("keys_values/issues/92"))
     fields = parse_oom_message(text)

@@ -1,5 +1,5 @@
-"""Which errors are out-of-memory errors: the one place that decides it (the guard, through
-oom/classify.py, and `%gpumem --watch`'s outcome of a cell, memory/watch.py, both ask here), and torch's
+"""Which errors are out-of-memory errors: the one place that decides it (the guard, the diagnosis and
+`%gpumem --watch`'s outcome of a cell, memory/watch.py, all ask here), and torch's
 out-of-memory exception class, the one place that knows where it lives in each torch version.
 
 `torch.OutOfMemoryError` exists from torch 2.4; torch 1.13 to 2.3 have only `torch.cuda.OutOfMemoryError`

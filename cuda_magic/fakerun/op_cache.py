@@ -2,13 +2,13 @@
 ops (a training step repeats the same ops on the same shapes) skip torch's FakeTensorMode.
 
 FakeTensorMode (torch/_subclasses/fake_tensor.py) caches too, from 2.3 on, but its key (`_cache_key`,
-`_prep_args_for_hash`, a `TensorMetadata` of twenty fields for every tensor argument) costs more than the
-rest of a fake op; torch 2.2 has no cache at all. This one keys a call as the simulated device's count
-does (devices/op_metadata.py's `call_key`: what its meta kernel reads of its arguments, and the state that
-can change an output's metadata below autograd, the default dtype and inference mode), reads an op's
-schema from the same table (`op_facts`), and makes each output as FakeTensorMode's own cache does (`_get_output_tensor_from_cache_entry`: an
-`empty_strided` on the meta device, wrapped in a FakeTensor of the fake device). What a key gives follows
-from the key alone, so the fake runs of a process share the entries.
+`_prep_args_for_hash`, a `TensorMetadata` of twenty fields for every tensor argument) costs more than the rest
+of a fake op; torch 2.2 has no cache at all. This one keys a call as the simulated device's count does
+(devices/op_metadata.py's `call_key`: what its meta kernel reads of its arguments, and the state that can
+change an output's metadata below autograd, the default dtype and inference mode), reads an op's schema from
+the same table (`op_facts`), and makes each output as FakeTensorMode's own cache does
+(`_get_output_tensor_from_cache_entry`: an `empty_strided` on the meta device, wrapped in a FakeTensor of the
+fake device). What a key gives follows from the key alone, so the fake runs of a process share the entries.
 
 An in-place op that writes only its first argument and returns it (or nothing: the `_foreach_*_` ops)
 changes no metadata (the ops that do, `resize_`, `set_` and those tagged `inplace_view`, are left out),

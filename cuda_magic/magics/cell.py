@@ -75,7 +75,7 @@ class _errors_through_time:
     def __enter__(self):
         if not self.timed:
             return self
-        from cuda_magic.oom.classify import is_oom
+        from cuda_magic.devices.errors import is_oom
 
         shell = self.shell
         self.had = "showtraceback" in vars(shell)

@@ -108,7 +108,7 @@ class GuardAll:
         frames have finished: clearing them drops their locals even though the exception itself lives on
         (IPython still shows it)."""
         from cuda_magic.display.show import show
-        from cuda_magic.oom.classify import oom_fields
+        from cuda_magic.oom.messages import oom_fields
         from cuda_magic.oom.findings import OomFields
         from cuda_magic.recover.failure import meter_for_failure
 

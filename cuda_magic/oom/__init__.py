@@ -1,2 +1,2 @@
-"""Out-of-memory errors: is it one (classify), what its message says (parse), and why it happened with
-what to do about it (diagnosis)."""
+"""Out-of-memory errors: what their message says (messages), and why one happened with what to do about it
+(diagnosis, advice). Whether an error is one is decided below, in devices/errors.py."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from cuda_magic.memory.holders import Holder, union_bytes
 from cuda_magic.oom.advice import HOLDER_SHARE, SHOWN, advise, expected, leaking, variable, with_graph  # noqa: F401
 from cuda_magic.oom.cell_reading import CellReading
-from cuda_magic.oom.classify import FATAL_NOTE, message_kind, oom_fields, oom_kind, parse_oom_message
+from cuda_magic.devices.errors import message_kind, oom_kind
+from cuda_magic.oom.messages import FATAL_NOTE, oom_fields, parse_oom_message
 from cuda_magic.oom.findings import Advice, Diagnosis, OomFields
 from cuda_magic.units import format_bytes
 

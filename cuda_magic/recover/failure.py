@@ -17,7 +17,8 @@ import sys
 from dataclasses import dataclass
 
 from cuda_magic.devices.meter import capacity_of
-from cuda_magic.oom.classify import FATAL_NOTE, attach_note, oom_fields, oom_kind
+from cuda_magic.devices.errors import oom_kind
+from cuda_magic.oom.messages import FATAL_NOTE, attach_note, oom_fields
 from cuda_magic.memory.kinds import IN_FAILING_OP
 from cuda_magic.oom.findings import OomFields
 from cuda_magic.paths import is_library_file, is_torch_or_python_file

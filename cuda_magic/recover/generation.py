@@ -17,7 +17,7 @@ import gc
 import time
 from dataclasses import dataclass
 
-from cuda_magic.oom.classify import oom_kind
+from cuda_magic.devices.errors import oom_kind
 from cuda_magic.recover.progress import ModelCost
 
 SLICE = 32

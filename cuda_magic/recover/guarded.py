@@ -450,7 +450,8 @@ class GuardedRun:
         box = report.blackbox
         failed = box.failure if box is not None else None
         top = box.top if box is not None and box.at == "failure" else None
-        holders = failure.holders if failure is not None and failure.holders is not None else notebook_holders(self.shell)
+        holders = (failure.holders if failure is not None and failure.holders is not None
+                   else notebook_holders(self.shell))
         start = report.attempts[-1].start_allocated if report.attempts else None
         batch_var, accum_var = report.variable, report.accumulate
         if batch_var is None and failure is not None:     # the cell's own names, for a line to paste

@@ -8,7 +8,7 @@ import sys
 
 from cuda_magic.ipython import UNDERSCORES, is_output_cache_name, output_cache_number, output_hist, shell_or_current
 from cuda_magic.memory.reach import holds_device_memory
-from cuda_magic.oom.classify import exception_chain
+from cuda_magic.devices.errors import exception_chain
 
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
 _CO_OPTIMIZED = 0x0001

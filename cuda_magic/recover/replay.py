@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import loaded_torch
-from cuda_magic.oom.classify import oom_kind
+from cuda_magic.devices.errors import oom_kind
 from cuda_magic.recover.progress import cache_bytes_per_token, generation_growth, ModelCost, Progress, flat_items, module_calls, progress_of
 
 SLICE = 32         # the smaller slice is this fraction of the failing batch's rows; the larger twice it

@@ -1,17 +1,15 @@
-"""Out-of-memory errors: the figures their messages state, the note on a fatal CUDA error.
+"""Out-of-memory messages: the figures they state, and the note on a fatal CUDA error.
 
-Which exceptions are one is decided in devices/errors.py (what counts: its docstring), below both the
-guard and `%gpumem --watch`; its answers are the ones this module gives (`oom_kind`, `is_oom`,
-`find_oom`, `message_kind`, `exception_chain`). Pure: no torch import, so the parser can be tested on
-message texts alone.
+Which exceptions are out of memory is decided in devices/errors.py (what counts: its docstring), below
+both the guard and `%gpumem --watch`. Pure: no torch import, so the parser can be tested on message texts
+alone.
 """
 from __future__ import annotations
 
 import re
 import sys
 
-from cuda_magic.devices.errors import (CHAIN_LIMIT, OOM_MESSAGE, error_text, exception_chain, find_oom,  # noqa: F401
-                                       is_oom, message_kind, oom_kind)
+from cuda_magic.devices.errors import OOM_MESSAGE, error_text, find_oom
 from cuda_magic.oom.findings import OomFields
 
 FATAL_NOTE = (
