@@ -67,3 +67,24 @@ def _unquote(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
+
+
+def asked_options(args):
+    """`%%oomguard`'s parsed flags as `recover/options.AskedOptions`: checked there, in one place."""
+    from cuda_magic.recover.options import AskedOptions
+
+    return AskedOptions(retry=args.retry, accumulate=args.accumulate, floor=args.floor, search=args.search,
+                        exact=args.exact, limit=args.limit, device=args.device, amp=args.amp,
+                        timeline=args.timeline, no_timeline=args.no_timeline, expandable=args.expandable,
+                        predict=args.predict, no_raise=args.no_raise)
+
+
+def checked(asked, values):
+    """(meter, GuardOptions) from `asked`'s checks (recover/options.py), each problem the one-line UsageError;
+    nothing has acted yet."""
+    from cuda_magic.recover.options import OptionError
+
+    try:
+        return asked.check(values)
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None
