@@ -143,7 +143,7 @@ class AskedOptions:
             return 1
         if self.api:
             return self.floor
-        return _count(self.floor, "--min")
+        return whole_number(self.floor, "--min")
 
     # -- each form's own ------------------------------------------------------------------------------
     def _check_flags(self) -> None:
@@ -155,7 +155,7 @@ class AskedOptions:
         if self.floor is not None:
             if self.retry is None:
                 raise OptionError("--min needs -r VAR: it is the floor of the retried variable")
-            if _count(self.floor, "--min") < 1:
+            if whole_number(self.floor, "--min") < 1:
                 raise OptionError("--min must be at least 1")
         if self.search and self.retry is None:
             raise OptionError("--search needs -r VAR: it searches values of the retried variable")
@@ -202,7 +202,8 @@ def switch_expandable_segments(meter) -> str:
         raise OptionError(f"--expandable-segments: {exc}") from None
 
 
-def _count(text, flag: str) -> int:
+def whole_number(text, flag: str) -> int:
+    """A whole number >= 0 from what follows `flag` (`--min 4`, `%gpumem --top 5`)."""
     try:
         value = int(str(text).strip())
     except ValueError:
