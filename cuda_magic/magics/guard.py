@@ -10,6 +10,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from cuda_magic.magics.args import asked_options, checked, parse_args
+from cuda_magic.recover.options import OptionError, switch_expandable_segments
 from cuda_magic.units import is_unit
 
 
@@ -104,8 +105,9 @@ class GuardMagics(Magics):
         __tracebackhide__ = True  # noqa: F841
         args = self._parse(line)
         if args.predict:
-            raise UsageError("--predict cannot run a cell with top-level await; predict the function it awaits "
-                             "with cuda_magic.predict(...)")
+            from cuda_magic.magics.predict_cell import NO_AWAIT
+
+            raise UsageError(NO_AWAIT)
         cell_run = self._prepare(args, cell, awaited=True)
         try:
             result = await cell_run.run.run_async(cell_run.compiled)
@@ -130,7 +132,6 @@ class GuardMagics(Magics):
         from cuda_magic.display.show import show_guard
         from cuda_magic.magics.cell import CompiledCell
         from cuda_magic.recover.guarded import GuardedRun
-        from cuda_magic.recover.options import OptionError, switch_expandable_segments
 
         ns = self.shell.user_ns
         meter, options = checked(asked_options(args), ns)

@@ -10,6 +10,12 @@ import dataclasses
 
 from IPython.core.error import UsageError
 
+from cuda_magic.magics.args import checked
+from cuda_magic.recover.options import OptionError
+
+NO_AWAIT = ("--predict cannot run a cell with top-level await; predict the function it awaits with "
+            "cuda_magic.predict(...)")
+
 
 def predict_cell(shell, state, asked, cell: str, *, quiet: bool = False, output: bool = False):
     """Check the options (`asked`: recover/options.AskedOptions), run the prediction, show it; the
@@ -17,16 +23,13 @@ def predict_cell(shell, state, asked, cell: str, *, quiet: bool = False, output:
     from cuda_magic.display.show import show
     from cuda_magic.fakerun.fake_run import add_loop_ticks
     from cuda_magic.fakerun.predicting import PredictedRun
-    from cuda_magic.magics.args import checked
     from cuda_magic.magics.cell import CompiledCell
-    from cuda_magic.recover.options import OptionError
 
     ns = shell.user_ns
     meter, options = checked(asked, ns)
     compiled = CompiledCell(shell, cell, transform=add_loop_ticks, display_last=False)
     if compiled.is_async:
-        raise UsageError("--predict cannot run a cell with top-level await; predict the function it awaits "
-                         "with cuda_magic.predict(...)")
+        raise UsageError(NO_AWAIT)
     options = dataclasses.replace(options, filename=compiled.filename, lines=tuple(compiled.lines))
     run = PredictedRun(meter, options, compiled, bind=ns, namespace=ns)
     try:

@@ -97,8 +97,7 @@ class AskedOptions:
         if self.api:
             for name in (self.retry, self.accumulate):
                 if name is not None:
-                    if name not in values:
-                        raise OptionError(f"{function}() has no argument {name!r} to retry")
+                    self.check_arguments(values, function)
                     if not is_positive_int(values[name]):
                         raise OptionError(f"{name} must be a positive int to be retried, not {values[name]!r}")
             if values[self.retry] < floor:
