@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-from cuda_magic.units import SizeError, is_positive_int, parse_limit
-
 
 class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     """Decorator and context manager.
@@ -49,28 +47,15 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
                  amp: str | None = None, device: str | None = None, raise_on_oom: bool = True,
                  quiet: bool = False, timeline: bool | None = None, exact: bool = False,
                  timeout: float | None = None):
-        for flag, name in (("retry", retry), ("accumulate", accumulate)):
-            if name is not None and not (isinstance(name, str) and name.isidentifier()):
-                raise ValueError(f"{flag}= takes the name of a keyword argument (retry=\"batch_size\"), "
-                                 f"not {name!r}")
-        if accumulate is not None and retry is None:
-            raise ValueError("accumulate= needs retry=: it is scaled as the retried argument is reduced")
-        if exact and accumulate is None:
-            raise ValueError("exact=True needs accumulate=: it keeps NAME x NAME2 equal to the effective batch")
-        if timeline not in (None, True, False):
-            raise ValueError(f"timeline must be None, True or False, not {timeline!r}")
-        if isinstance(min, bool) or not isinstance(min, int) or min < 1:
-            raise ValueError(f"min must be an int of at least 1, not {min!r}")
-        if amp not in (None, "bf16", "fp16"):
-            raise ValueError(f"amp must be 'bf16' or 'fp16', not {amp!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ValueError(f"timeout is seconds above 0, not {timeout!r}")
-        if limit is not None:
-            try:
-                parse_limit(str(limit))     # reject bad text now, not at the first call
-            except SizeError as exc:
-                raise ValueError(str(exc)) from None
+        from cuda_magic.recover.options import AskedOptions, OptionError
+
+        self._asked = AskedOptions(api=True, retry=retry, accumulate=accumulate, floor=min, search=search,
+                                   exact=exact, limit=limit, device=device, amp=amp, timeline=timeline,
+                                   timeout=timeout)
+        try:
+            self._asked.check_form()        # bad text now, not at the first call
+        except OptionError as exc:
+            raise exc.as_api_error() from None
         self.retry, self.floor, self.search, self.accumulate = retry, min, search, accumulate
         self.limit, self.amp, self.device = limit, amp, device
         self.raise_on_oom, self.quiet = raise_on_oom, quiet
@@ -80,30 +65,28 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     # decorator -----------------------------------------------------------------------------------
     def __call__(self, func):
+        from cuda_magic.recover.options import OptionError
+
         signature = inspect.signature(func)
-        for name in (self.retry, self.accumulate):
-            if name is not None and name not in signature.parameters:
-                raise ValueError(f"{func.__name__}() has no argument {name!r} to retry")
+        try:
+            self._asked.check_arguments(signature.parameters, func.__name__)
+        except OptionError as exc:
+            raise exc.as_api_error() from None
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = bound.arguments
-            for name in (self.retry, self.accumulate):
-                if name is not None:
-                    value = arguments.get(name)
-                    if not is_positive_int(value):
-                        raise ValueError(f"{name} must be a positive int to be retried, not {value!r}")
-            if self.retry is not None and arguments[self.retry] < self.floor:
-                raise ValueError(f"{self.retry}={arguments[self.retry]} is already below min={self.floor}")
+            meter, options = self._checked(arguments, func.__name__)   # before the function runs
 
             def call():
                 return func(*bound.args, **bound.kwargs)
 
             globals_ = [v for k, v in func.__globals__.items() if not k.startswith("_")]
             # arguments are bound again for every call: the function's own names need no rollback
-            run = self._guarded_run(values=arguments, roots=[*arguments.values(), *globals_], code=func.__code__)
+            run = self._guarded_run(meter, options, values=arguments, roots=[*arguments.values(), *globals_],
+                                    code=func.__code__)
             try:
                 result = run.run(call) if not self._ranked_once() else self._run_ranked(run, call)
             finally:
@@ -138,16 +121,25 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         result.value = value
         return result
 
-    def _guarded_run(self, code=None, **where):
-        from cuda_magic.ipython import current_shell
-        from cuda_magic.recover.guarded import GuardedRun, GuardOptions, RetrySpec
+    def _guarded_run(self, meter, options, code=None, **where):
+        import dataclasses
 
-        meter, limit = self._choose_meter()
-        retry = None if self.retry is None else RetrySpec(self.retry, self.accumulate, self.floor, self.search,
-                                                          self.exact)
-        options = GuardOptions(retry=retry, limit=limit, amp=self.amp, timeline=self.timeline, source="oomguard",
-                               api=True, rank_timeout=self.timeout, code=code)
-        return GuardedRun(meter, options, shell=current_shell(), **where)
+        from cuda_magic.ipython import current_shell
+        from cuda_magic.recover.guarded import GuardedRun
+
+        return GuardedRun(meter, dataclasses.replace(options, code=code), shell=current_shell(), **where)
+
+    def _checked(self, values=None, function: str = "fn"):
+        """(meter, GuardOptions): recover/options.py's checks, as the API's ValueError or TypeError (values
+        None: a `with` block's)."""
+        from cuda_magic.recover.options import OptionError
+
+        try:
+            if values is None:
+                self._asked.check_block()
+            return self._asked.check(values, function=function)
+        except OptionError as exc:
+            raise exc.as_api_error() from None
 
     def _outcome(self, result):
         """Pass a non-OOM error through; show the report where it is worth it; raise the short error."""
@@ -160,20 +152,6 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
             error, result = result.short_error(), None
             raise error
         return result.value
-
-    def _choose_meter(self):
-        """(meter, limit bytes) for this run; `device=` must name a device that is here (ValueError)."""
-        from cuda_magic.devices.meter import choose_meter
-
-        device = self.device
-        if device is not None:
-            from cuda_magic.devices.names import present_devices, resolve_device
-
-            device = resolve_device(device, present_devices(), flag="device=")
-        try:
-            return choose_meter(device, None if self.limit is None else parse_limit(str(self.limit)))
-        except SizeError as exc:
-            raise ValueError(f"limit={self.limit!r}: {exc}") from None
 
     def _show(self, report) -> None:
         """Silent for a call that fits, at once or after retries (SPEC: "prints nothing for a call that
@@ -188,13 +166,12 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     # context manager -----------------------------------------------------------------------------
     def __enter__(self):
-        if self.retry is not None:
-            raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
+        meter, options = self._checked()
         from cuda_magic.recover.retrying import ranks_in_group
 
         import sys
 
-        run, ranked = self._guarded_run(code=sys._getframe(1).f_code), None
+        run, ranked = self._guarded_run(meter, options, code=sys._getframe(1).f_code), None
         if ranks_in_group() > 1:        # in a process group: the ranks end the block together
             from cuda_magic.recover.ranked_block import RankedBlock
 
@@ -237,41 +214,25 @@ def predict(fn, *args, retry: str | None = None, accumulate: str | None = None, 
     that the effective batch stays at least what it was (`exact=True`: a divisor of it). `limit` ("16GiB",
     a fraction) and `device` choose what to fit in, as for `oomguard`; `amp` ('bf16', 'fp16') predicts
     under torch.autocast."""
-    from cuda_magic.fakerun.cuda_autocast import prediction_autocast as autocast_for
-    from cuda_magic.devices.meter import capacity_of
-    from cuda_magic.fakerun.planner import Planner, prediction_meter
-    from cuda_magic.recover.guarded import RetrySpec
+    from cuda_magic.fakerun.predicting import PredictedRun
+    from cuda_magic.recover.options import AskedOptions, OptionError
 
-    guard = oomguard(retry, min=min, accumulate=accumulate, limit=limit, amp=amp, device=device, exact=exact)
-    signature = inspect.signature(fn)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = bound.arguments
-    spec = None
-    if retry is not None:
-        for name in (retry, accumulate):
-            if name is not None:
-                if name not in arguments:
-                    raise ValueError(f"{getattr(fn, '__name__', 'fn')}() has no argument {name!r} to retry")
-                if not is_positive_int(arguments[name]):
-                    raise ValueError(f"{name} must be a positive int to be retried, not {arguments[name]!r}")
-        if arguments[retry] < min:
-            raise ValueError(f"{retry}={arguments[retry]} is already below min={min}")
-        spec = RetrySpec(retry, accumulate, min, False, exact)
-    meter, cap = guard._choose_meter()
-    meter, note = prediction_meter(meter)
+    asked = AskedOptions(api=True, retry=retry, accumulate=accumulate, floor=min, exact=exact, limit=limit,
+                         amp=amp, device=device)
+    try:                            # every option checked, the meter chosen: before anything runs
+        asked.check_form()
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        meter, options = asked.check(arguments, function=getattr(fn, "__name__", "fn"))
+    except OptionError as exc:
+        raise exc.as_api_error() from None
     code = getattr(fn, "__code__", None)
     named = set(code.co_names) if code is not None else set()
     globals_ = getattr(fn, "__globals__", None)
-    planner = Planner(meter, lambda: fn(*bound.args, **bound.kwargs), capacity=cap if cap is not None else capacity_of(meter),
-                      limited=cap is not None, bind=arguments,
-                      more=[(globals_, named)] if globals_ is not None else [], namespace=None, retry=spec, amp=amp,
-                      autocast=lambda: autocast_for(amp, meter), api=True,
-                      device_name=meter.device.name if meter.key.startswith("sim") else "")
-    prediction = planner.predict()
-    if note:
-        prediction.notes.insert(0, note)
-    return prediction
+    run = PredictedRun(meter, options, lambda: fn(*bound.args, **bound.kwargs), bind=arguments,
+                       more=[(globals_, named)] if globals_ is not None else [])
+    return run.predict()
 
 
 def read_snapshot(path_or_dict, device: int | None = None):

@@ -299,3 +299,77 @@ def test_the_readme_is_one_a_user_reads_to_the_end():
     assert len(readme.splitlines()) <= 350, len(readme.splitlines())
     for target in set(re.findall(r"\]\((docs/[^)#]+)", readme)):
         assert (PACKAGE.parent / target).exists(), target
+
+
+# -- adapters reach other objects through what they publish -------------------------------------------
+ADAPTERS = ("magics/", "api.py")
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """`obj._name` in a module, where `obj` is neither `self` nor `cls` (an object's own privates) nor a
+    module from outside the package (`sys._getframe`, torch's); IPython's `_repr_*_` protocol names aside."""
+    tree = ast.parse(path.read_text())
+    outside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            outside |= {(a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("cuda_magic")}
+        elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("cuda_magic"):
+            outside |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name.endswith("_"):
+            continue
+        base = node.value
+        while isinstance(base, ast.Attribute) and not base.attr.startswith("_"):
+            base = base.value           # torch.cuda.memory._snapshot: through the outside module's names
+        if isinstance(base, ast.Name) and (base.id in ("self", "cls") and base is node.value or base.id in outside):
+            continue
+        found.append(f"{path.name}:{node.lineno} .{name}")
+    return found
+
+
+def test_no_adapter_reaches_another_objects_private(package: Path = PACKAGE):
+    """The magics and the API call what the core (and each other) publish: `magics._meter(...)` on another
+    adapter's instance, or `module._helper(...)`, is a private reached from outside (the prediction's adapter
+    once called GuardMagics' `_retry_options`, `_meter` and `_expandable_segments`)."""
+    wrong = [f"{me} reaches a private: {', '.join(hits)}"
+             for me, path in all_modules(package).items()
+             if str(path.relative_to(package)).startswith(ADAPTERS)
+             for hits in [_private_reaches(path)] if hits]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_catches_an_adapter_calling_another_adapters_private(tmp_path):
+    import pytest
+
+    copy = _copy_of_the_package(tmp_path)
+    (copy / "magics" / "zz_reach.py").write_text(
+        "import sys\n\n\n"
+        "def predict(magics, args):\n"
+        "    frame = sys._getframe(1)\n"
+        "    return magics._meter(args), frame\n")
+    with pytest.raises(AssertionError, match=r"zz_reach reaches a private: zz_reach.py:6 \._meter\n"):
+        test_no_adapter_reaches_another_objects_private(copy)
+
+
+# two classes of one name are two things a reader must tell apart by their module: what is left of them
+# (issue 40, item 5: the snapshot file's own records), each to get a name that says what it is
+SHARED_CLASS_NAMES = {"Failure", "Recording"}
+
+
+def test_no_two_classes_share_a_name():
+    """The prediction a user gets is `Prediction` (fakerun/prediction.py); the retry's next value to try is
+    `NextValue` (recover/retry.py), no longer a second `Prediction`."""
+    import collections
+
+    where = collections.defaultdict(list)
+    for me, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(me)
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert set(shared) <= SHARED_CLASS_NAMES, {n: m for n, m in shared.items() if n not in SHARED_CLASS_NAMES}
+    assert set(shared) == SHARED_CLASS_NAMES, f"{SHARED_CLASS_NAMES - set(shared)} now unique: take it off the list"

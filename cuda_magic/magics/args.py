@@ -3,30 +3,20 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from cuda_magic.units import SizeError, parse_limit, parse_size
+from cuda_magic.recover.options import AskedOptions, OptionError, whole_number
+from cuda_magic.units import SizeError, parse_size
 
 
 def parse_count(text, flag: str = "-n") -> int:
     try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise UsageError(f"{flag} takes a whole number >= 0, not {text!r}") from None
-    if value < 0:
-        raise UsageError(f"{flag} takes a whole number >= 0, not {value}")
-    return value
+        return whole_number(text, flag)
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_size_arg(text, flag: str, capacity: int | None = None, *, allow_fraction: bool = True) -> int:
     try:
         return parse_size(text, capacity, allow_fraction=allow_fraction)
-    except SizeError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
-
-
-def parse_limit_arg(text, flag: str):
-    """A `units.Limit` (bytes, or a fraction of a capacity not known yet) from what follows `flag`."""
-    try:
-        return parse_limit(text)
     except SizeError as exc:
         raise UsageError(f"{flag}: {exc}") from None
 
@@ -67,3 +57,20 @@ def _unquote(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
+
+
+def asked_options(args):
+    """`%%oomguard`'s parsed flags as `recover/options.AskedOptions`: checked there, in one place."""
+    return AskedOptions(retry=args.retry, accumulate=args.accumulate, floor=args.floor, search=args.search,
+                        exact=args.exact, limit=args.limit, device=args.device, amp=args.amp,
+                        timeline=args.timeline, no_timeline=args.no_timeline, expandable=args.expandable,
+                        predict=args.predict, no_raise=args.no_raise)
+
+
+def checked(asked, values):
+    """(meter, GuardOptions) from `asked`'s checks (recover/options.py), each problem the one-line UsageError;
+    nothing has acted yet."""
+    try:
+        return asked.check(values)
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None

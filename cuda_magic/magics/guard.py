@@ -1,15 +1,17 @@
 """`%%oomguard` (run a cell that may run out of memory) and `%oomguard on|off` (guard every cell).
 
-An adapter over the core (recover/guarded.py): every option is checked here, before anything changes,
-then one GuardedRun runs the cell and its result says what to show and raise."""
+An adapter over the core (recover/guarded.py): every option is checked (recover/options.py, each problem
+a one-line UsageError) before anything changes, then one GuardedRun runs the cell and its result says what
+to show and raise. `--predict` goes to the prediction core's adapter (magics/predict_cell.py)."""
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_limit_arg
-from cuda_magic.units import is_positive_int, is_unit
+from cuda_magic.magics.args import asked_options, checked, parse_args
+from cuda_magic.recover.options import OptionError, switch_expandable_segments
+from cuda_magic.units import is_unit
 
 
 @magics_class
@@ -44,7 +46,8 @@ class GuardMagics(Magics):
         if args.predict:
             from cuda_magic.magics.predict_cell import predict_cell
 
-            return predict_cell(self, args, cell)
+            return predict_cell(self.shell, self.cuda_magic_state, asked_options(args), cell, quiet=args.quiet,
+                                output=args.output)
         return self._guard_cell(args, cell)
 
     # %oomguard on|off ------------------------------------------------------------------------------
@@ -88,9 +91,7 @@ class GuardMagics(Magics):
     # %%oomguard ----------------------------------------------------------------------------------
     def _guard_cell(self, args, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        cell_run = self._prepare(args, cell)
-        if cell_run.compiled.is_async:
-            raise UsageError("top-level await in a guarded cell needs IPython's autoawait (%autoawait on)")
+        cell_run = self._prepare(args, cell, awaited=False)
         try:
             result = cell_run.run.run(cell_run.compiled)
         finally:
@@ -104,9 +105,10 @@ class GuardMagics(Magics):
         __tracebackhide__ = True  # noqa: F841
         args = self._parse(line)
         if args.predict:
-            raise UsageError("--predict cannot run a cell with top-level await; predict the function it awaits "
-                             "with cuda_magic.predict(...)")
-        cell_run = self._prepare(args, cell)
+            from cuda_magic.magics.predict_cell import NO_AWAIT
+
+            raise UsageError(NO_AWAIT)
+        cell_run = self._prepare(args, cell, awaited=True)
         try:
             result = await cell_run.run.run_async(cell_run.compiled)
         finally:
@@ -122,24 +124,30 @@ class GuardMagics(Magics):
                              "is the line magic")
         return args
 
-    def _prepare(self, args, cell: str) -> GuardedCell:
-        """Check every option, then set up: the meter, the compiled cell, its run and its display."""
+    def _prepare(self, args, cell: str, *, awaited: bool) -> GuardedCell:
+        """Check every option (recover/options.py) and the cell (top-level `await` needs IPython's
+        autoawait: `awaited`), then act: the allocator setting, the run (the core), its display and gauge."""
+        import dataclasses
+
         from cuda_magic.display.show import show_guard
         from cuda_magic.magics.cell import CompiledCell
-        from cuda_magic.recover.guarded import GuardedRun, GuardOptions
+        from cuda_magic.recover.guarded import GuardedRun
 
         ns = self.shell.user_ns
-        if args.timeline and args.no_timeline:
-            raise UsageError("--timeline and --no-timeline exclude each other")
-        timeline = True if args.timeline else (False if args.no_timeline else None)
-        retry = self._retry_options(args, ns)
-        meter, limit = self._meter(args)
-        if args.expandable:
-            self._expandable_segments(args.quiet, meter)
+        meter, options = checked(asked_options(args), ns)
         compiled = CompiledCell(self.shell, cell)   # a SyntaxError propagates: IPython shows it
-        options = GuardOptions(retry=retry, limit=limit, amp=args.amp, timeline=timeline,
-                               filename=compiled.filename, lines=tuple(compiled.lines),
-                               timed_lines=compiled.timed_lines)
+        if compiled.is_async and not awaited:
+            raise UsageError("top-level await in a guarded cell needs IPython's autoawait (%autoawait on)")
+        options = dataclasses.replace(options, filename=compiled.filename, lines=tuple(compiled.lines),
+                                      timed_lines=compiled.timed_lines)
+        # every check has passed: from here on, things change
+        if options.expandable:
+            try:
+                said = switch_expandable_segments(meter)
+            except OptionError as exc:
+                raise UsageError(str(exc)) from None
+            if not args.quiet:
+                print(said)
         run = GuardedRun(meter, options, values=ns, namespace=ns, shell=self.shell,
                          on_note=None if args.quiet else _print_note)
         run.start()                        # the device before, shown by the running view
@@ -151,69 +159,6 @@ class GuardMagics(Magics):
 
             start_guard_gauge(handle, meter)   # nothing where no gauge can be seen (terminal IPython)
         return GuardedCell(args, compiled, run, handle)
-
-    def _expandable_segments(self, quiet: bool, meter=None) -> None:
-        from cuda_magic.devices.allocator_conf import enable_expandable_segments
-
-        # metered on a simulated device (`-l` without CUDA, `%gpumem --simulate`): its allocator is switched
-        simulated = meter.device if str(getattr(meter, "key", "")).startswith("sim") else None
-        try:
-            said = enable_expandable_segments(simulated)
-        except RuntimeError as exc:
-            raise UsageError(f"--expandable-segments: {exc}") from None
-        if not quiet:
-            print(said)
-
-    def _retry_options(self, args, ns):
-        from cuda_magic.recover.guarded import RetrySpec
-
-        floor = 1
-        if args.floor is not None:
-            if args.retry is None:
-                raise UsageError("--min needs -r VAR: it is the floor of the retried variable")
-            floor = parse_count(args.floor, "--min")
-            if floor < 1:
-                raise UsageError("--min must be at least 1")
-        if args.search and args.retry is None:
-            raise UsageError("--search needs -r VAR: it searches values of the retried variable")
-        if args.accumulate is not None and args.retry is None:
-            raise UsageError("-a VAR2 needs -r VAR: VAR2 is scaled as VAR is reduced")
-        if args.exact and args.accumulate is None:
-            raise UsageError("--exact needs -a VAR2: it keeps VAR x VAR2 equal to the effective batch")
-        if args.retry is None:
-            return None
-        variable = _positive_int_variable(ns, args.retry, "-r")
-        accumulate = None
-        if args.accumulate is not None:
-            accumulate = _positive_int_variable(ns, args.accumulate, "-a")
-            if accumulate == variable:
-                raise UsageError("-a must name another variable than -r")
-        if ns[variable] < floor:
-            raise UsageError(f"{variable} is {ns[variable]}, already below --min {floor}")
-        return RetrySpec(variable, accumulate, floor, args.search, args.exact)
-
-    def _meter(self, args):
-        """(meter, limit bytes): `-d` and `-l` read once, the cap resolved on the device chosen."""
-        from cuda_magic.devices.meter import choose_meter
-        from cuda_magic.units import SizeError
-
-        device = parse_device(args.device) if args.device is not None else None
-        limit = parse_limit_arg(args.limit, "-l") if args.limit is not None else None
-        try:
-            return choose_meter(device, limit)
-        except SizeError as exc:
-            raise UsageError(f"-l: {exc}") from None
-
-
-def _positive_int_variable(ns, name: str, flag: str) -> str:
-    if not name.isidentifier():
-        raise UsageError(f"{flag} takes a variable name, not {name!r}")
-    if name not in ns:
-        raise UsageError(f"{flag} {name}: no variable {name!r} in the namespace; set it first (e.g. {name} = 64)")
-    value = ns[name]
-    if not is_positive_int(value):
-        raise UsageError(f"{flag} {name}: {name} must hold a positive int, not {value!r}")
-    return name
 
 
 class GuardedCell:

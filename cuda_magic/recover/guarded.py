@@ -40,7 +40,7 @@ class RetrySpec:
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """How to guard a call, checked and parsed by the adapter."""
+    """How to guard (or predict) a call, checked and parsed by `recover/options.AskedOptions.check`."""
 
     retry: RetrySpec | None = None
     limit: int | None = None             # the cap in bytes (`-l`), resolved on the meter's capacity
@@ -60,6 +60,8 @@ class GuardOptions:
     code: object = None                  # the code object the run runs where there are no `lines` (a
                                          # decorated function's, a `with` block's frame's): its names say
                                          # which of the user's containers are watched for growth
+    expandable: bool = False             # `--expandable-segments`: switched on first, by the adapter
+                                         # (recover/options.switch_expandable_segments) or the prediction
 
 
 @dataclass

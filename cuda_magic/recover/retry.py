@@ -179,7 +179,7 @@ def _share_of_bound(share: float, limit: int, m: Measured) -> str:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class NextValue:
     """A value to try next, why, and whether it comes from the model measured on slices of the batch."""
 
     value: int
@@ -187,7 +187,7 @@ class Prediction:
     measured: bool = False
 
 
-def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction | None:
+def measured_prediction(m: Measured, available: int, kept: bool) -> NextValue | None:
     """From the model measured on slices of the batch that failed at `m.value` (recover/replay.py):
     MEASURED_SHARE of the largest value whose training step fits in `available` bytes; where the caching
     allocator's model can be asked, of the largest it serves (recover/largest.scan), and then, at or below
@@ -215,37 +215,37 @@ def measured_prediction(m: Measured, available: int, kept: bool) -> Prediction |
         words = islands(value, seen)
         if words:
             checked += f"; on that allocator it {words}"
-    return Prediction(max(1, value),
-                      f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
-                      f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
-                      f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
-                      + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s"
-                      + checked + ")",
-                      measured=True)
+    return NextValue(max(1, value),
+                     f"{MEASURED_SHARE:.0%} of {measured}, predicted from the model measured on "
+                     f"{cost.probe_rows[0]} and {cost.probe_rows[1]} rows of the batch that failed at {m.value} "
+                     f"({format_bytes(int(cost.per_row(measured, kept)))} a row at its peak"
+                     + (", the gradients kept through the pass" if kept else "") + f", {cost.seconds:.2f}\u00a0s"
+                     + checked + ")",
+                     measured=True)
 
 
-def progress_prediction(m: Measured, available: int) -> Prediction:
+def progress_prediction(m: Measured, available: int) -> NextValue:
     """From a failure a known share of the way through the model's forward pass: the whole training step
     estimated (`Measured.needed_estimate`), PROGRESS_SHARE of the value that fits in it."""
     estimate = int(m.value * available / m.needed_estimate)
     if m.progress.growth is not None:
-        return Prediction(int(estimate * PROGRESS_SHARE),
-                          f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value} in a "
-                          f"generation loop: {format_bytes(m.needed_at_least)} needed at a step whose sequence is "
-                          f"still to grow {m.progress.growth:.1f}x"
-                          + (f", its key/value cache by {format_bytes(m.progress.cache_to_come)} a row"
-                             if m.progress.cache_to_come is not None else ""))
+        return NextValue(int(estimate * PROGRESS_SHARE),
+                         f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value} in a "
+                         f"generation loop: {format_bytes(m.needed_at_least)} needed at a step whose sequence is "
+                         f"still to grow {m.progress.growth:.1f}x"
+                         + (f", its key/value cache by {format_bytes(m.progress.cache_to_come)} a row"
+                            if m.progress.cache_to_come is not None else ""))
     how = ("the layers still to run from their sizes" if m.progress.rest_bytes is not None
            else "the rest extrapolated")
-    return Prediction(int(estimate * PROGRESS_SHARE),
-                      f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
-                      f"{format_bytes(m.needed_at_least)} held {m.progress.share:.0%} of the way through the "
-                      f"model's forward pass, {how}")
+    return NextValue(int(estimate * PROGRESS_SHARE),
+                     f"{PROGRESS_SHARE:.0%} of {estimate}, predicted from the failure at {m.value}: "
+                     f"{format_bytes(m.needed_at_least)} held {m.progress.share:.0%} of the way through the "
+                     f"model's forward pass, {how}")
 
 
-def bound_prediction(m: Measured, limit: int, share: float) -> Prediction:
+def bound_prediction(m: Measured, limit: int, share: float) -> NextValue:
     """A share of the largest value a failure leaves possible (`limit`)."""
-    return Prediction(int(limit * share), _share_of_bound(share, limit, m))
+    return NextValue(int(limit * share), _share_of_bound(share, limit, m))
 
 
 def divisors(n: int) -> list[int]:
@@ -511,7 +511,7 @@ class BatchSearch:
         first = m is self.history[0]
         return MIDWAY_SHARE if first and m.requested < 0.5 * m.needed_at_least else RETRY_SHARE
 
-    def _predict_down(self, hi: int) -> Prediction | None:
+    def _predict_down(self, hi: int) -> NextValue | None:
         """-r: a failure whose model was measured on slices of its batch (recover/replay.py) predicts the
         largest value that fits, at most what the other failures leave possible; without one, the smallest
         of the other failures' predictions (from the share of the forward pass done, or from its bound)."""
@@ -537,9 +537,9 @@ class BatchSearch:
         best = min(measured, key=lambda p: p.value)
         for limit, m in bounds:
             if limit < best.value:
-                best = Prediction(limit, f"{limit}, the most that the failure at {m.value} leaves possible (it "
-                                         f"needed at least {format_bytes(m.needed_at_least)}), below {best.reason}",
-                                  measured=True)
+                best = NextValue(limit, f"{limit}, the most that the failure at {m.value} leaves possible (it "
+                                        f"needed at least {format_bytes(m.needed_at_least)}), below {best.reason}",
+                                 measured=True)
         return best
 
     def _go_up(self, best: int, hi: int) -> tuple[int | None, str]:
