@@ -59,7 +59,7 @@ def load_plain(data: bytes):
 
 
 @dataclass
-class Recording:
+class DeviceSnapshot:
     """One device's part of a snapshot, normalized: segments with every block's address and frames,
     the trace entries in order, the recorded allocator settings."""
 
@@ -102,7 +102,7 @@ def devices_of(data: dict) -> dict[int, int]:
     return held
 
 
-def recording_of(data: dict, device: int | None = None, source: str = "") -> Recording:
+def recording_of(data: dict, device: int | None = None, source: str = "") -> DeviceSnapshot:
     """The normalized recording of `device` (default: the one that held the most at the dump)."""
     held = devices_of(data)
     devices = sorted(held)
@@ -117,7 +117,7 @@ def recording_of(data: dict, device: int | None = None, source: str = "") -> Rec
     has_trace = any(e.get("action") in ("alloc", "free_requested", "free_completed", "segment_alloc")
                     for e in trace)
     completes = any(e.get("action") == "free_completed" for e in trace)
-    return Recording(device, devices, segments, trace, dict(data.get("allocator_settings") or {}), has_trace,
+    return DeviceSnapshot(device, devices, segments, trace, dict(data.get("allocator_settings") or {}), has_trace,
                      source, completes)
 
 

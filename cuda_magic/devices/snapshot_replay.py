@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from cuda_magic.devices.allocator_conf import parse_conf
 from cuda_magic.devices.caching_allocator import (
     MiB, CachingAllocatorModel, CannotReserve, kMinBlockSize, kSmallBuffer, kSmallSize)
-from cuda_magic.devices.snapshot_load import Recording, settings_conf
+from cuda_magic.devices.snapshot_load import DeviceSnapshot, settings_conf
 
 NO_LIMIT = 1 << 62
 STEP = 2 * MiB
@@ -39,7 +39,7 @@ TAKEN = ("active_allocated", "active_pending_free")
 
 
 @dataclass
-class Failure:
+class ReplayFailure:
     """The first request a replay could not serve."""
 
     index: int                    # its entry in the recording
@@ -54,7 +54,7 @@ class ReplayResult:
     capacity: int | None
     conf: str
     fits: bool
-    failure: Failure | None
+    failure: ReplayFailure | None
     peak_allocated: int
     peak_reserved: int
     peak_allocated_at: int = -1          # entry index (-1: the start state)
@@ -104,7 +104,7 @@ def empty_cache_runs(trace) -> set[int]:
     return out
 
 
-def start_state(rec: Recording) -> list[dict]:
+def start_state(rec: DeviceSnapshot) -> list[dict]:
     """The segments when recording began, with their blocks (see the module's docstring)."""
     segs = {s["address"]: (s["total_size"], s["segment_type"]) for s in rec.segments}
     alive = {b["address"]: b["size"] for s in rec.segments for b in s["blocks"] if b["state"] in TAKEN}
@@ -146,12 +146,12 @@ def start_state(rec: Recording) -> list[dict]:
     return out
 
 
-def _completes(rec: Recording) -> bool:
+def _completes(rec: DeviceSnapshot) -> bool:
     """Whether the recording has `free_completed` entries (else a `free_requested` frees at once)."""
     return rec.completes
 
 
-def model_for(rec: Recording, capacity: int | None, conf: str | None) -> CachingAllocatorModel:
+def model_for(rec: DeviceSnapshot, capacity: int | None, conf: str | None) -> CachingAllocatorModel:
     """The allocator at the recorded settings, with `conf` laid over them as torch's setter does (options
     it does not name go back to their defaults, expandable_segments keeps its value); ValueError for
     settings torch would refuse."""
@@ -187,7 +187,7 @@ def _gc_threshold(conf: str) -> float:
     return value
 
 
-def replay(rec: Recording, capacity: int | None = None, conf: str | None = None, *, follow: bool | None = None,
+def replay(rec: DeviceSnapshot, capacity: int | None = None, conf: str | None = None, *, follow: bool | None = None,
            series: bool = True, start: list[dict] | None = None) -> ReplayResult:
     """Replay the recording on a device of `capacity` bytes (None: no limit) with `conf` laid over the
     recorded settings. `follow` (default: at the recorded settings with no capacity): take the recorded
@@ -282,7 +282,7 @@ def replay(rec: Recording, capacity: int | None = None, conf: str | None = None,
     return result
 
 
-def smallest_capacity(rec: Recording, conf: str | None = None, *, start: list[dict] | None = None,
+def smallest_capacity(rec: DeviceSnapshot, conf: str | None = None, *, start: list[dict] | None = None,
                       unlimited: ReplayResult | None = None) -> int:
     """The smallest capacity (a multiple of 2 MiB) on which the replay with `conf` fits, the capacity 2 MiB
     below it failing (see the module's docstring)."""
@@ -314,5 +314,5 @@ def smallest_capacity(rec: Recording, conf: str | None = None, *, start: list[di
 def _ran_out(result, index: int, exc, allocated: int) -> None:
     """The replay's first request that could not be served: where, what it asked, what was held."""
     result.fits = False
-    result.failure = Failure(index, exc.requested, exc.alloc_size, allocated, exc.reserved)
+    result.failure = ReplayFailure(index, exc.requested, exc.alloc_size, allocated, exc.reserved)
     result.needed = exc.reserved + exc.alloc_size

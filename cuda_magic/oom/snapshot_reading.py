@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cuda_magic.devices.cuda_history import Reading, replay as history_replay
 from cuda_magic.devices.recorder import BACKWARD_THREAD, BEFORE, NO_FRAMES, python_frames
 from cuda_magic.devices.snapshot_load import (
-    Recording, SnapshotError, UnsafePickle, read_snapshot_data, recording_of, settings_conf)
+    DeviceSnapshot, SnapshotError, UnsafePickle, read_snapshot_data, recording_of, settings_conf)
 from cuda_magic.devices import snapshot_replay as R
 from cuda_magic.memory.blackbox import LineUse, lines_of
 from cuda_magic.reprs import Rendered
@@ -131,7 +131,7 @@ class SnapshotReading(Rendered):
     diagnosis: object = None              # oom/findings.Diagnosis of the recording's OOM
     segments_match: bool | None = None    # the replay at the recorded settings reproduced every segment event
     notes: list[str] = field(default_factory=list)
-    recording: Recording | None = None
+    recording: DeviceSnapshot | None = None
     _start: list | None = None
     _smallests: dict = field(default_factory=dict)
     _sites: dict = field(default_factory=dict)     # entry index -> LineUse of the alloc/oom there
@@ -226,7 +226,7 @@ def read_snapshot(path_or_dict, device: int | None = None) -> SnapshotReading:
 CALL_IMPL_LINES = {1527: "2.1", 1520: "2.2", 1750: "2.6", 1789: "2.13"}
 
 
-def _era_from_frames(rec: Recording) -> str | None:
+def _era_from_frames(rec: DeviceSnapshot) -> str | None:
     for e in rec.trace[:2000]:
         for f in e.get("frames") or ():
             if f.get("name") == "_call_impl" and (f.get("filename") or "").endswith("nn/modules/module.py"):
@@ -236,7 +236,7 @@ def _era_from_frames(rec: Recording) -> str | None:
     return None
 
 
-def _era(data: dict, rec: Recording) -> str:
+def _era(data: dict, rec: DeviceSnapshot) -> str:
     from_frames = _era_from_frames(rec)
     if from_frames is not None:
         return from_frames
@@ -251,7 +251,7 @@ def _era(data: dict, rec: Recording) -> str:
     return "torch 2.1 or later" if rec.trace else ""
 
 
-def _state_only(reading: SnapshotReading, rec: Recording) -> None:
+def _state_only(reading: SnapshotReading, rec: DeviceSnapshot) -> None:
     from cuda_magic.devices.recorder import Recorder
 
     reading.notes.append(NO_HISTORY)
@@ -285,7 +285,7 @@ def _ordered(kinds: dict[str, int]) -> dict[str, int]:
     return {k: kinds[k] for k in KIND_ORDER if kinds.get(k)}
 
 
-def _read_history(reading: SnapshotReading, rec: Recording, result) -> None:
+def _read_history(reading: SnapshotReading, rec: DeviceSnapshot, result) -> None:
     trace = rec.trace
     ooms = [i for i, e in enumerate(trace) if e.get("action") == "oom"]
     final = Reading(_dump_as_snapshot(rec), reading.end_allocated, float("inf"))
@@ -383,13 +383,13 @@ def _by_kind(sites: dict, site_kind: dict) -> dict[str, int]:
     return _ordered(kinds)
 
 
-def _dump_as_snapshot(rec: Recording) -> dict:
+def _dump_as_snapshot(rec: DeviceSnapshot) -> dict:
     """The recording as torch's `_snapshot()` dict of one device (index 0), for the history's replay."""
     segments = [dict(s, device=0) for s in rec.segments]
     return {"segments": segments, "device_traces": [rec.trace]}
 
 
-def _read_oom(reading: SnapshotReading, rec: Recording, recorder, result, index: int, site_kind) -> None:
+def _read_oom(reading: SnapshotReading, rec: DeviceSnapshot, recorder, result, index: int, site_kind) -> None:
     from cuda_magic.oom.diagnosis import CellFacts, diagnose
     from cuda_magic.oom.findings import OomFields
 
