@@ -32,6 +32,7 @@ class CompiledCell:
         module = ast.Module(body, type_ignores=[])
         self.code = compile(module, self.filename, "exec", flags=flags, dont_inherit=True)
         self.lines = self.source.splitlines()
+        self.codes = (self.code,) if self.last is None else (self.code, self.last)   # what the body runs
         self.is_async = any(_awaits(c) for c in (self.code, self.last) if c is not None)
         # `%%time` first: IPython runs the rest compiled as "<timed exec>" (no source kept); its lines
         # are the cell's from the second on

@@ -5,15 +5,16 @@ then one GuardedRun runs the cell and its result says what to show and raise."""
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from cuda_magic.magics.args import parse_args, parse_count, parse_device, parse_limit_arg
+from cuda_magic.magics.args import expanded, parse_args, parse_count, parse_device, parse_limit_arg
 from cuda_magic.units import is_positive_int, is_unit
 
 
 @magics_class
 class GuardMagics(Magics):
+    @no_var_expand      # IPython's expansion copies the namespace for every cell: `expanded` only where needed
     @magic_arguments()
     @argument("-r", dest="retry", default=None, metavar="VAR", help="on OOM, undo the attempt and run the cell again with the integer VAR at a value predicted to fit")
     @argument("--min", dest="floor", default=None, metavar="N", help="with -r: never go below N (default 1)")
@@ -38,6 +39,7 @@ class GuardMagics(Magics):
 
         As a line magic: `%oomguard on` guards every cell, `%oomguard off` stops that."""
         __tracebackhide__ = True  # noqa: F841
+        line = expanded(self.shell, line)
         if cell is None:
             return self._switch(line)
         args = self._parse(line)
