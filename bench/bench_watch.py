@@ -1,11 +1,12 @@
 """What `%gpumem --watch` adds to a trivial cell (`x = 1`), against the same cells without it.
 
-    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 9]
+    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 9] [--names 10000]
 
 A real IPython shell runs the cell with run_cell, in blocks of --cells cells, the variants interleaved
 round by round (each figure is the median over rounds of a block's time per cell). Modes: CPU only (the
-watcher reads /proc/self/status), a simulated device on (`%gpumem --simulate 1GiB`), and CUDA where torch
-can use it. Variants: without --watch (the baseline); --watch with its per-cell line printed to a sink
+watcher reads /proc/self/statm and getrusage), the same among --names user names (a third of them lists:
+the cost must not grow with the notebook), a simulated device on (`%gpumem --simulate 1GiB`), and CUDA
+where torch can use it. Variants: without --watch (the baseline); --watch with its per-cell line printed to a sink
 (stdout redirected to io.StringIO: the line is formatted, printing costs nothing); --watch printed to a
 line-buffered /dev/null (one write per line, as on a terminal); and the hooks alone (the watcher's
 on_record set to None, an internal switch, to show what the display costs). Goal: at most 50 us added.
@@ -98,6 +99,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--names", type=int, default=10_000,
+                        help="user names in the namespace for the rows that measure a grown notebook")
     args = parser.parse_args(argv)
     os.environ["CUDA_MAGIC_DISPLAY"] = "text"
 
@@ -108,6 +111,11 @@ def main(argv=None) -> int:
     shell.run_line_magic("load_ext", "cuda_magic")
     results, skipped = {}, {}
     results["CPU only"] = measure_mode(shell, args.cells, args.rounds)
+    for i in range(args.names):          # a notebook that grew: a third of its names lists
+        shell.user_ns[f"name_{i}"] = [i] if i % 3 == 0 else i
+    results[f"CPU only, {args.names:,} user names"] = measure_mode(shell, args.cells, args.rounds)
+    for i in range(args.names):
+        del shell.user_ns[f"name_{i}"]
     shell.run_line_magic("gpumem", "--simulate 1GiB -q")
     results["simulated device (`--simulate 1GiB`)"] = measure_mode(shell, args.cells, args.rounds)
     shell.run_line_magic("gpumem", "--simulate off -q")

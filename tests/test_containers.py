@@ -57,3 +57,18 @@ def test_a_list_grown_by_a_function_the_cell_calls_gets_its_advice(tip):
     codes = [a.code for a in report.diagnosis.advice]
     assert any(c.startswith("preds.append(") and ".cpu()" in c for c in codes), codes
     tip.run_cell("%gpumem --simulate off -q")
+
+
+def test_a_compiled_cells_code_reaches_what_its_source_names(bare_ip):
+    """`%%oomguard` reads the names from the cell's compiled code (no second parse of its source): the
+    body and its last expression, compiled apart for display, both count."""
+    from cuda_magic.magics.cell import CompiledCell
+    from cuda_magic.oom.cell_reading import names_in
+
+    ns = bare_ip.user_ns
+    exec("history = []\nseen = {}\nunrelated = [1]\ndef log(x):\n    history.append(x)\n", ns)
+    source = "y = [seen.get(k) for k in range(2)]\nlog(y)\n"        # the last line is an expression
+    compiled = CompiledCell(bare_ip, source)
+    names = reached_names(ns, "", compiled.codes)
+    assert names_in(source) - {"k"} <= names       # all but the comprehension's own variable
+    assert {"history", "seen", "log", "y"} <= names and "unrelated" not in names

@@ -308,7 +308,7 @@ class CpuMeter(Meter):
         return self.proc.memory()[0]
 
     def reset_peak(self) -> None:
-        self.proc.reset_peak()
+        self.proc.start_cell()          # and the peak since then read from getrusage where exact (proc.py)
 
     def peak(self) -> int | None:
         return self.proc.rss_and_peak()[1]

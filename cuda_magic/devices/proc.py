@@ -48,19 +48,25 @@ def status_bytes(text: bytes, field: bytes) -> int | None:
 
 
 _PEAK_SLACK = 256 * 1024   # bytes: how far getrusage's peak may sit above RSS right after a reset
+_resets = 0                # resets of the process's peak by any reader: a reader trusts getrusage only
+                           # for readings after its own reset
 
 
 class ProcReader:
-    """Reads /proc/self/status through one open descriptor: the cheapest way to VmRSS and VmHWM.
+    """Reads this process's memory through descriptors opened once.
 
-    Per watched cell there is a cheaper pair, start_cell / end_cell: /proc/self/status costs about 15 us
-    to generate, /proc/self/statm (RSS alone) and getrusage (the same high-water mark as VmHWM) a few.
+    The peak: /proc/self/status (VmHWM) costs about 10-20 us to generate; /proc/self/statm (RSS) and
+    getrusage (the same high-water mark) a few each. getrusage's ru_maxrss is the larger of the kernel's
+    VmHWM and the mark exited threads may have left in the process's record, so after a reset it is the
+    peak since that reset unless that record was already higher.
+    `start_cell` resets the peak and checks that record; until another reset (by any reader), the peak
+    is then read from getrusage, else from /proc/self/status.
     """
 
     def __init__(self):
         self.status_fd = self.clear_fd = self.statm_fd = self.meminfo_fd = None
         self.page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._rusage_peak = False
+        self._trusted = None        # the reset count at which getrusage's peak was found to be the peak
         try:
             self.status_fd = os.open("/proc/self/status", os.O_RDONLY)
             self.statm_fd = os.open("/proc/self/statm", os.O_RDONLY)
@@ -70,19 +76,28 @@ class ProcReader:
             pass
 
     def reset_peak(self) -> bool:
+        global _resets
         if self.clear_fd is None:
             return False
         try:
             os.write(self.clear_fd, b"5")
-            return True
         except OSError:
             return False
+        _resets += 1
+        return True
 
-    def rss_and_peak(self) -> tuple[int | None, int | None]:
+    def _status(self) -> tuple[int | None, int | None]:
         if self.status_fd is None:
             return None, None
         text = os.pread(self.status_fd, 4096, 0)
         return status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
+
+    def rss_and_peak(self) -> tuple[int | None, int | None]:
+        """(resident bytes now, resident peak since the last reset)."""
+        if self._trusted != _resets:
+            return self._status()
+        rss = self.rss()        # (the kernel's RSS counters lag a little: the peak is kept at least RSS)
+        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def memory(self) -> tuple[int | None, int | None]:
         """(MemTotal, MemAvailable) in bytes: two fields found in one read of /proc/meminfo, a fifth of the
@@ -96,31 +111,24 @@ class ProcReader:
     def rss(self) -> int | None:
         """Resident bytes now, from /proc/self/statm (its second field, in pages)."""
         if self.statm_fd is None:
-            return self.rss_and_peak()[0]
+            return self._status()[0]
         return int(os.pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
 
     def start_cell(self) -> int | None:
-        """Reset the peak and return the resident bytes now.
-
-        Also decides how end_cell reads the peak: getrusage's ru_maxrss is the kernel's same high-water
-        mark as VmHWM and follows the reset, unless a thread that exited earlier left a higher mark in
-        the process's record (kept as the larger of the two); then, and where the reset failed,
-        /proc/self/status is read instead. A thread exiting during the cell can leave only a mark from
-        this cell, so the figure stays the cell's peak.
-        """
+        """Reset the peak and return the resident bytes now; decide how the peak is read until the next
+        reset (getrusage where the exited threads' record is not above RSS now, else /proc/self/status).
+        A thread exiting after the reset records a mark from after it: the figure stays this peak."""
         reset = self.reset_peak()
         rss = self.rss()
-        self._rusage_peak = False
-        if reset and rss is not None and resource is not None:
-            self._rusage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= rss + _PEAK_SLACK
+        self._trusted = None
+        if (reset and rss is not None and resource is not None
+                and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= rss + _PEAK_SLACK):
+            self._trusted = _resets
         return rss
 
     def end_cell(self) -> tuple[int | None, int | None]:
         """(resident bytes now, resident peak since start_cell)."""
-        if not self._rusage_peak:
-            return self.rss_and_peak()
-        rss = self.rss()
-        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return self.rss_and_peak()
 
     def close(self) -> None:
         for fd in (self.status_fd, self.clear_fd, self.statm_fd, self.meminfo_fd):

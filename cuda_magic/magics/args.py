@@ -32,8 +32,27 @@ def parse_device(text: str, available: list[str] | None = None) -> str:
         raise UsageError(str(exc)) from None
 
 
+_PARSED: dict = {}      # (magic function, line) -> its options: a line typed again is not parsed again
+_PARSED_MAX = 256
+
+
 def parse_args(magic_func, line: str):
-    """magic_arguments parsing, with every argparse complaint as the one-line UsageError."""
+    """magic_arguments parsing, with every argparse complaint as the one-line UsageError. The same line
+    gives the same options (argparse's parse is a function of the line): parsed once, a fresh copy each
+    time, since a caller may change what it gets."""
+    import argparse
+
+    key = (getattr(magic_func, "__func__", magic_func), line)
+    parsed = _PARSED.get(key)
+    if parsed is None:
+        parsed = _parse_line(magic_func, line)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[key] = parsed
+    return argparse.Namespace(**{k: list(v) if isinstance(v, list) else v for k, v in parsed.items()})
+
+
+def _parse_line(magic_func, line: str) -> dict:
     from IPython.core.magic_arguments import parse_argstring
 
     try:
@@ -45,12 +64,28 @@ def parse_args(magic_func, line: str):
     except ValueError as exc:   # unbalanced quotes in shlex
         raise UsageError(f"could not read the options {line!r}: {exc}") from None
     # IPython splits magic lines without removing quotes: -l '5 GiB' arrives as "'5 GiB'".
-    for key, value in vars(args).items():
-        if isinstance(value, str):
-            setattr(args, key, _unquote(value))
-        elif isinstance(value, list):
-            setattr(args, key, [_unquote(v) if isinstance(v, str) else v for v in value])
-    return args
+    return {key: _unquote(value) if isinstance(value, str)
+            else [_unquote(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+            for key, value in vars(args).items()}
+
+
+def expanded(shell, line: str) -> str:
+    """The magic's line with IPython's `$name` and `{expr}` expansion, for a magic that opts out of
+    IPython's own (`@no_var_expand`): that copies the whole namespace for every line, a cost that grows
+    with the notebook; here only a line with `$` or `{` is expanded, by IPython's `var_expand`, from the
+    frame IPython would use (found above its run_cell_magic / run_line_magic). A magic called directly,
+    not through those, is not expanded, as in IPython."""
+    if "$" not in line and "{" not in line:
+        return line
+    import sys
+
+    frame, depth = sys._getframe(1), 1
+    while frame is not None and not (frame.f_code.co_name in ("run_cell_magic", "run_line_magic")
+                                     and frame.f_locals.get("self") is shell):
+        frame, depth = frame.f_back, depth + 1
+    if frame is None:
+        return line
+    return shell.var_expand(line, depth + frame.f_locals.get("stack_depth", 1))
 
 
 def _unquote(text: str) -> str:

@@ -17,7 +17,7 @@ class CompiledCell:
 
     def __init__(self, shell, cell: str, *, transform=None, display_last: bool = True):
         self.shell = shell
-        self.source = shell.transform_cell(cell)
+        self.source = transformed(shell, cell)
         self.filename = shell.compile.cache(self.source, _cell_number(shell), raw_code=cell)
         tree = shell.compile.ast_parse(self.source, filename=self.filename)
         tree = shell.transform_ast(tree)
@@ -32,6 +32,7 @@ class CompiledCell:
         module = ast.Module(body, type_ignores=[])
         self.code = compile(module, self.filename, "exec", flags=flags, dont_inherit=True)
         self.lines = self.source.splitlines()
+        self.codes = (self.code,) if self.last is None else (self.code, self.last)   # what the body runs
         self.is_async = any(_awaits(c) for c in (self.code, self.last) if c is not None)
         # `%%time` first: IPython runs the rest compiled as "<timed exec>" (no source kept); its lines
         # are the cell's from the second on
@@ -60,6 +61,48 @@ class CompiledCell:
                 await eval(code, shell.user_global_ns, shell.user_ns)
             else:
                 exec(code, shell.user_global_ns, shell.user_ns)
+
+
+def transformed(shell, cell: str) -> str:
+    """`shell.transform_cell(cell)`: IPython's input transforms (magics, `!cmd`, `x?`, prompts, a leading
+    indent), then its dynamic ones on a one-line cell and the user's post transforms. IPython's token
+    transforms tokenize the whole cell (its slowest step for a guarded cell) and each needs a `%`, `!` or
+    `?`, or a line led by `,`, `;` or `/`: for a cell with none of these, with IPython's own shell and
+    transformers, that step is left out and the rest are IPython's, in IPython's order. Anything else
+    goes through IPython's `transform_cell` whole."""
+    from IPython.core import inputtransformer2 as it2
+    from IPython.core.interactiveshell import InteractiveShell
+
+    manager = shell.input_transformer_manager
+    if (type(shell).transform_cell is not InteractiveShell.transform_cell
+            or type(manager) is not it2.TransformerManager
+            or manager.token_transformers != _DEFAULT_TOKEN_TRANSFORMERS(it2)):
+        return shell.transform_cell(cell)
+    lines = (cell if cell.endswith("\n") else cell + "\n").splitlines(keepends=True)
+    for transform in manager.cleanup_transforms + manager.line_transforms:
+        lines = transform(lines)
+    if not _token_free(lines):
+        return shell.transform_cell(cell)
+    source = "".join(lines)
+    if len(source.splitlines()) == 1:
+        with shell.builtin_trap:
+            source = shell.prefilter_manager.prefilter_lines(source) + "\n"
+    lines = source.splitlines(keepends=True)
+    for transform in shell.input_transformers_post:
+        lines = transform(lines)
+    return "".join(lines)
+
+
+def _DEFAULT_TOKEN_TRANSFORMERS(it2) -> list:
+    return [it2.MagicAssign, it2.SystemAssign, it2.EscapedCommand, it2.HelpEnd]
+
+
+def _token_free(lines: list[str]) -> bool:
+    """No IPython token transform can apply: no `%`, `!` or `?` anywhere, no line led by `,`, `;`, `/`."""
+    for line in lines:
+        if "%" in line or "!" in line or "?" in line or line.lstrip()[:1] in (",", ";", "/"):
+            return False
+    return True
 
 
 class _errors_through_time:

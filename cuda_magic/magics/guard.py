@@ -6,16 +6,17 @@ to show and raise. `--predict` goes to the prediction core's adapter (magics/pre
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from cuda_magic.magics.args import asked_options, checked, parse_args
+from cuda_magic.magics.args import asked_options, checked, expanded, parse_args
 from cuda_magic.recover.options import OptionError, switch_expandable_segments
 from cuda_magic.units import is_unit
 
 
 @magics_class
 class GuardMagics(Magics):
+    @no_var_expand      # IPython's expansion copies the namespace for every cell: `expanded` only where needed
     @magic_arguments()
     @argument("-r", dest="retry", default=None, metavar="VAR", help="on OOM, undo the attempt and run the cell again with the integer VAR at a value predicted to fit")
     @argument("--min", dest="floor", default=None, metavar="N", help="with -r: never go below N (default 1)")
@@ -40,6 +41,7 @@ class GuardMagics(Magics):
 
         As a line magic: `%oomguard on` guards every cell, `%oomguard off` stops that."""
         __tracebackhide__ = True  # noqa: F841
+        line = expanded(self.shell, line)
         if cell is None:
             return self._switch(line)
         args = self._parse(line)

@@ -60,11 +60,16 @@ class _Namer:
         # id -> node: held so that its id is not reused (torch 2.2 makes a node's Python object on each access)
         self.graph_seen: dict[int, object] = {}
         self.graph_nodes = 0
+        self.graphed: set[int] = set()      # the storages named through a graph (GRAPH_SUFFIX)
 
     def add(self, obj, name: str) -> None:
         key = self.by_id.get(id(obj))
-        if key is not None:
-            self._name(key, name)
+        if key is not None:                     # (_name, inlined: called once per tensor found)
+            known = self.names.get(key)
+            if known is None:
+                self.names[key] = [name]
+            elif name not in known:
+                known.append(name)
         if getattr(obj, "is_leaf", True):
             grad = obj.grad
             if grad is not None:
@@ -100,6 +105,7 @@ class _Namer:
                             self.keys.add(key)
                             self.records[key] = new_record(t, storage, kind="activations")
                         self._name(key, name)
+                        self.graphed.add(key)
             stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
 
     def walk(self, obj, name: str, depth: int = 0) -> None:
@@ -334,6 +340,7 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         notes.append("by kind: the walk of autograd graphs stopped after "
                      f"{marker.graph_nodes} nodes; some activations may count as other tensors")
     names: dict[int, list[str]] = {}
+    graphed: set[int] = set()
     if records and with_names:
         namer = _Namer(torch, by_id, names, records)
         if namespace is not None:
@@ -356,13 +363,15 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
             tb = tb.tb_next
         if namer.truncated:
             notes.append(f"names: the namespace walk stopped after {MAX_VISITS} objects; some names are missing")
+        graphed = namer.graphed
     marker.apply()
     per_device: dict[str, int] = {}
     result = []
     for key, rec in records.items():
-        found = names.get(key, [])
-        plain = [n for n in found if not n.endswith(GRAPH_SUFFIX)]
-        rec.names = plain or found   # a graph is named only for what nothing else names
+        found = names.get(key) or []
+        if key in graphed:           # a graph is named only for what nothing else names
+            found = [n for n in found if not n.endswith(GRAPH_SUFFIX)] or found
+        rec.names = found
         per_device[rec.device] = per_device.get(rec.device, 0) + rec.nbytes
         result.append(rec)
     result.sort(key=lambda r: r.nbytes, reverse=True)

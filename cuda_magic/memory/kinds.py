@@ -163,8 +163,11 @@ def bytes_by_kind(records, allocated: dict[str, int | None], simulated=None) -> 
     out = {key: dict.fromkeys(KINDS, 0) for key in allocated}
     sim_key = simulated.key if simulated is not None else None
     sim_found = 0
+    keys: dict[str, str] = {}       # tensor device text -> device key, worked out once per device
     for rec in records:
-        key = device_of_record(rec.device)
+        key = keys.get(rec.device)
+        if key is None:
+            key = keys[rec.device] = device_of_record(rec.device)
         if key in out:
             out[key][rec.kind] += rec.nbytes
         if sim_key in out and simulated.counts(rec.storage_id):

@@ -105,7 +105,7 @@ class CellWatcher:
                 # a cell that starts CUDA is a CUDA cell: it began with nothing allocated there, and the
                 # peak counters count from CUDA's start, inside this cell
                 if kind != "cuda":
-                    before = 0
+                    kind, before = "cuda", 0
                 torch = sys.modules["torch"]
                 i = torch.cuda.current_device()
                 after = torch.cuda.memory_allocated(i)
@@ -126,7 +126,8 @@ class CellWatcher:
             delta = (after - before) if after is not None and before is not None else None
             record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
-                                device=key, allocated_after=after, capacity=_capacity(kind, dev),
+                                device=key, allocated_after=after,
+                                capacity=None if kind == "cpu" else _capacity(kind, dev),
                                 outcome=_outcome(result))
             self.records.append(record)
             if self.on_record is not None:

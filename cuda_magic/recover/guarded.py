@@ -138,6 +138,7 @@ class GuardedRun:
         """`run` for a call that may return an awaitable: IPython awaits this for a cell with `await`."""
         __tracebackhide__ = True  # noqa: F841
         self.start()
+        self._remember_names(codes=getattr(call, "codes", ()))     # a compiled cell's code objects
         value = error = None
         try:
             if self.options.retry is None:
@@ -202,6 +203,7 @@ class GuardedRun:
     def begin(self) -> GuardReport:
         """Start guarding a block that runs after this returns (the `with` form); `end(exc)` after it."""
         self.start()
+        self._remember_names()
         meter, stack = self.meter, ExitStack()
         meter.reset_peak()
         start = read_counter(meter.allocated)
@@ -366,7 +368,6 @@ class GuardedRun:
         if self._started:
             return
         self._started = True
-        self._remember_names()
         self.report.before = metered_devices(self.meter)
         limit = self.options.limit
         capacity = capacity_of(self.meter) if limit is not None else None   # reading it may start CUDA
@@ -389,22 +390,27 @@ class GuardedRun:
         if self.options.timeline is not False:
             self.recording = _start_recording(self.meter, self.options.filename)
 
-    def _remember_names(self, source: str = "") -> None:
-        """Before the run: the lengths of the containers it may grow and the values its names hold."""
-        names = self._watched_names(source)
+    def _remember_names(self, source: str = "", codes=()) -> None:
+        """Right before the run: the lengths of the containers it may grow and the values its names hold."""
+        names = self._watched_names(source, tuple(codes))
         self._lengths = container_lengths(self.shell, names)
         self._ids = value_ids(self.shell, names)
 
-    def _watched_names(self, source: str = ""):
+    def _watched_names(self, source: str = "", codes: tuple = ()):
         """The names whose containers are watched for growth: those the run's code reaches (None where its
-        code is not known: every user name)."""
+        code is not known: every user name). The compiled code's names where it is given (no parse of the
+        source), else the source's."""
         options = self.options
-        if options.lines is not None:
+        if options.code is not None:
+            codes += (options.code,)
+        if codes:
+            source = ""
+        elif options.lines is not None:
             source = "\n".join(options.lines)
-        if not source and options.code is None:
+        if not source and not codes:
             return None
         namespace = self.shell.user_ns if self.shell is not None else {}
-        return reached_names(namespace, source, () if options.code is None else (options.code,))
+        return reached_names(namespace, source, codes)
 
     def _finish(self) -> None:
         """The end of the run: the black box's record, the device after, the peak, and after an OOM the
