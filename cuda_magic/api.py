@@ -180,7 +180,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         fits"; the report is on `last_report`); the report after an OOM it could not get past."""
         if self.quiet or (report.outcome in ("ok", "recovered") and not self.timeline):
             return
-        if getattr(report, "rank", 0):      # in a process group: rank 0 shows every rank's figures
+        if report.ranks is not None and report.ranks.rank:   # in a process group: rank 0 shows them all
             return
         from cuda_magic.display.show import show
 

@@ -195,7 +195,7 @@ def fill(n=64):
     return torch.zeros(n, 1024).sum()
 with simulated_device(100_000, allocator="plain"):
     fill()
-print(fill.last_report.outcome, "cuda_magic.recover.ranks" in sys.modules, hasattr(fill.last_report, "ranks"))
+print(fill.last_report.outcome, "cuda_magic.recover.ranks" in sys.modules, fill.last_report.ranks is not None)
 dist.destroy_process_group()
 """
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))

@@ -143,14 +143,9 @@ class GuardedRun:
                 value, error = result.value, result.error
                 self.report.outcome = result.attempt.outcome
             else:
-                from cuda_magic.recover.retrying import ranks_in_group, run_retried
+                from cuda_magic.recover.retrying import run_retried
 
-                if ranks_in_group() > 1:    # in a torch.distributed process group: every rank together
-                    from cuda_magic.recover.ranked_retry import RankedRetryLoop
-
-                    value, error = await RankedRetryLoop(self).attempts(call)
-                else:
-                    value, error = await run_retried(self, call)
+                value, error = await run_retried(self, call)   # in a process group: every rank together
         except KeyboardInterrupt:
             self.report.outcome = Outcome.INTERRUPTED
             raise
