@@ -100,10 +100,10 @@ class Ranked:
 
     def next_down(self, loop, policy):
         """After an attempt that failed on some rank: the smallest value the ranks that ran out predict; none
-        where any of them is done."""
+        where any of them is done (then, after --search's probes, every rank runs the largest value that
+        fitted on every rank: the same on each)."""
         proposals = [e["next"] for e in self.entries if e["state"] == "oom"]
         value = None if ABSTAIN in proposals else min(proposals)
-        if value is not None:
-            policy.adopt(value, policy.reason if value == self.entries[self.ranks.rank].get("next")
-                         else f"the smallest value the ranks that ran out of memory predict ({value})")
+        policy.adopt(value, policy.reason if value == self.entries[self.ranks.rank].get("next")
+                     else f"the smallest value the ranks that ran out of memory predict ({value})")
         return value

@@ -135,15 +135,13 @@ class RetryLoop:
                 self._apply(value)
                 run.why = policy.reason
                 ok, result = await deciding.attempt(self, call, value, policy)
-                if not ok:
-                    value = deciding.next_down(self, policy)
-                    continue
-                following = deciding.next_up(self, policy)
-                if following is None and policy.best == value:
+                following = deciding.next_up(self, policy) if ok else deciding.next_down(self, policy)
+                if ok and (following is None and policy.best == value):
                     kept = (value, result.value)       # the last run fitted at the value found: it stands
                     break
-                result.attempt.probe = True            # a --search probe: undone, like a failed attempt
-                self.undo_attempt()
+                if ok:                                 # a --search probe: undone, like a failed attempt
+                    result.attempt.probe = True
+                    self.undo_attempt()
                 if following is None and policy.best is not None:
                     following = policy.best            # the real run at the value found
                     run.on_note(deciding.found_note.format(f"{spec.variable}={following}"))
