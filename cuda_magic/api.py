@@ -116,7 +116,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _ranked_once(self) -> bool:
         """No retry=, inside a process group of more than one rank: the call ends on every rank together."""
-        from cuda_magic.recover.retrying import ranks_in_group
+        from cuda_magic.recover.retry_loop import ranks_in_group
 
         return self.retry is None and ranks_in_group() > 1
 
@@ -190,7 +190,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     def __enter__(self):
         if self.retry is not None:
             raise TypeError("retry= needs a function to call again: use @oomguard(retry=...) as a decorator")
-        from cuda_magic.recover.retrying import ranks_in_group
+        from cuda_magic.recover.retry_loop import ranks_in_group
 
         import sys
 

@@ -299,7 +299,7 @@ ONE_RANK_BOTH_WAYS = """
 import datetime, json, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from cuda_magic import oomguard, simulated_device
-import cuda_magic.recover.retrying as loop
+import cuda_magic.recover.retry_loop as loop
 from test_retry_loop import CAPACITY, cliff_step
 dist.init_process_group("gloo", init_method="file://{init}", rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=20))

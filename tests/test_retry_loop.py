@@ -1,4 +1,4 @@
-"""The one retry loop (recover/retrying.py): what --search does after its last probe, and a real run at the
+"""The one retry loop (recover/retry_loop.py): what --search does after its last probe, and a real run at the
 value found undone like any attempt. The same loop runs the ranks of a process group (tests/test_distributed.py
 checks that with one rank it decides as one process does)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The core: one guarded call, from start to result.
 
 A `GuardedRun` is the life of one guarded call on one meter. It runs the call (again, for a retry:
-recover/retrying.py), takes the one path after an out-of-memory error (inside the `except` block, read
+recover/retry_loop.py), takes the one path after an out-of-memory error (inside the `except` block, read
 what the failure says; outside it, undo the attempt, release what the failure held, stop the black box)
 and builds the report. Nothing else writes the report. Its shapes:
 
@@ -143,7 +143,7 @@ class GuardedRun:
                 value, error = result.value, result.error
                 self.report.outcome = result.attempt.outcome
             else:
-                from cuda_magic.recover.retrying import run_retried
+                from cuda_magic.recover.retry_loop import run_retried
 
                 value, error = await run_retried(self, call)   # in a process group: every rank together
         except KeyboardInterrupt:

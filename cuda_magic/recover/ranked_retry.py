@@ -1,5 +1,5 @@
 """What the ranks of a process group decide together in the retry of `oomguard(retry=...)` (recover/ranks.py):
-the hooks of the one loop (recover/retrying.py `Alone`), overridden where the ranks decide.
+the hooks of the one loop (recover/retry_loop.py `Alone`), overridden where the ranks decide.
 
 An attempt fitted only where it fitted on every rank; after one that failed on some rank, every rank undoes
 it and the next value is the smallest that the ranks that ran out of memory predict (each rank the same
