@@ -40,8 +40,8 @@ def test_no_report_field_is_read_with_getattr():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                    and len(node.args) >= 2 and _is_report(node.args[0])):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and _is_report(node.args[0])):
                 wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
     assert not wrong, "\n".join(wrong)
 
