@@ -99,7 +99,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
 
     def _ranked_once(self) -> bool:
         """No retry=, inside a process group of more than one rank: the call ends on every rank together."""
-        from cuda_magic.recover.retrying import ranks_in_group
+        from cuda_magic.recover.retry_loop import ranks_in_group
 
         return self.retry is None and ranks_in_group() > 1
 
@@ -158,7 +158,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
         fits"; the report is on `last_report`); the report after an OOM it could not get past."""
         if self.quiet or (report.outcome in ("ok", "recovered") and not self.timeline):
             return
-        if getattr(report, "rank", 0):      # in a process group: rank 0 shows every rank's figures
+        if report.ranks is not None and report.ranks.rank:   # in a process group: rank 0 shows them all
             return
         from cuda_magic.display.show import show
 
@@ -167,7 +167,7 @@ class oomguard:  # noqa: N801 - used as a decorator, like contextlib's
     # context manager -----------------------------------------------------------------------------
     def __enter__(self):
         meter, options = self._checked()
-        from cuda_magic.recover.retrying import ranks_in_group
+        from cuda_magic.recover.retry_loop import ranks_in_group
 
         import sys
 

@@ -177,13 +177,13 @@ def main(rank: int, world: int, init_file: str, scenario: str, out_dir: str) -> 
             report = train.last_report
             result["final_accum"] = report.retry.final_accumulate
             result["outcome"] = str(report.outcome)
-            result["ranks"] = getattr(report, "ranks", None)
+            result["ranks"] = report.ranks
             result["warnings"] = list(report.warnings)
             result["reasons"] = [a.reason for a in report.attempts]
     except Exception as exc:  # noqa: BLE001 - what each rank stopped with is the test's to read
         report = guard.report if "block" in more else train.last_report
-        result["ranks"] = getattr(report, "ranks", None) if report is not None else None
-        result["warnings"] = list(getattr(report, "warnings", []))
+        result["ranks"] = report.ranks if report is not None else None
+        result["warnings"] = list(report.warnings) if report is not None else []
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["trace"] = traceback.format_exc()
     result["seconds"] = time.monotonic() - t0

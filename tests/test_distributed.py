@@ -195,7 +195,7 @@ def fill(n=64):
     return torch.zeros(n, 1024).sum()
 with simulated_device(100_000, allocator="plain"):
     fill()
-print(fill.last_report.outcome, "cuda_magic.recover.ranks" in sys.modules, hasattr(fill.last_report, "ranks"))
+print(fill.last_report.outcome, "cuda_magic.recover.ranks" in sys.modules, fill.last_report.ranks is not None)
 dist.destroy_process_group()
 """
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
@@ -293,3 +293,69 @@ def test_an_error_in_a_block_stops_every_rank_alike(tmp_path):
     assert len(errors) == 1, errors
     error = errors.pop()
     assert error.startswith("RankError:") and "rank 1 of 2 stopped with ValueError: a bug on rank 1" in error
+
+
+ONE_RANK_BOTH_WAYS = """
+import datetime, json, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from cuda_magic import oomguard, simulated_device
+import cuda_magic.recover.retry_loop as loop
+from test_retry_loop import CAPACITY, cliff_step
+dist.init_process_group("gloo", init_method="file://{init}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=20))
+loops = []
+
+class Seen(loop.RetryLoop):                     # the loops made, to read their policy
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        loops.append(self)
+
+loop.RetryLoop = Seen
+
+@oomguard(retry="n", quiet=True, raise_on_oom=False)
+def fill(n=1000):            # on 24 MiB of the caching allocator: its model trims the third value
+    return len([torch.zeros(n, 5000) for _ in range(3)])
+
+def runs():
+    out = []
+    with simulated_device(24 << 20):
+        fill()
+    out.append(fill.last_report)
+    step = cliff_step([0], [None])
+    with simulated_device(CAPACITY, allocator="plain"):
+        step(torch.nn.Linear(4, 4))
+    out.append(step.last_report)
+    return [{{"attempts": [(a.value, str(a.outcome), a.probe, a.reason) for a in r.attempts],
+              "outcome": str(r.outcome), "ranks": None if r.ranks is None else [r.ranks.rank, r.ranks.world,
+                                                                             len(r.ranks)]}} for r in out]
+
+alone = runs()
+loop.ranks_in_group = lambda: 2           # the ranks' side of the loop, on this one rank
+ranked = runs()
+print(json.dumps({{"alone": alone, "ranked": ranked, "deciding": [type(l.deciding).__name__ for l in loops],
+                  "allocator": [l.policy.allocator is not None and l.policy.allocator() is not None
+                                for l in loops]}}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_run_the_same_loop_as_one_process(tmp_path):
+    # one loop: with one rank, the ranks' side decides as one process does, the caching allocator's model
+    # asked in both (the policy's allocator), and --search's last probe that ran out followed by the real
+    # run at the value found (the copy the ranks had ended out of memory there)
+    import json
+
+    code = ONE_RANK_BOTH_WAYS.format(tests=str(Path(__file__).parent), init=tmp_path / "init")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HARD_LIMIT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["deciding"] == ["Alone", "Alone", "Ranked", "Ranked"]
+    assert out["allocator"] == [True, False, True, False]     # the caching device's model; none on "plain"
+    assert any("caching allocator" in a[3] for a in out["ranked"][0]["attempts"]), out["ranked"][0]
+    for alone, ranked in zip(out["alone"], out["ranked"]):
+        assert alone["outcome"] == ranked["outcome"] == "recovered", (alone, ranked)
+        assert len(alone["attempts"]) >= 3
+        assert ranked["attempts"] == [a[:3] + [a[3].replace("to fit", "to fit on every rank")]
+                                      for a in alone["attempts"]]
+        assert alone["ranks"] is None and ranked["ranks"] == [0, 1, len(ranked["attempts"])]

@@ -121,7 +121,7 @@ def test_no_import_circle(package: Path = PACKAGE):
 # The one path after an out-of-memory error is the core's (recover/guarded.py, with its retry loop): its
 # steps are called there and nowhere else, and the guard report is written there alone (the release
 # report by the clean-up that makes it); every other module (the magics, the API, the display) reads.
-CORE = {"cuda_magic.recover.guarded", "cuda_magic.recover.retrying", "cuda_magic.recover.ranked_retry",
+CORE = {"cuda_magic.recover.guarded", "cuda_magic.recover.retry_loop", "cuda_magic.recover.ranked_retry",
         "cuda_magic.recover.ranked_block"}
 FAILURE_STEPS = {
     "cuda_magic.recover.failure": {"read_failure", "release_failure", "kinds_at_failure"},

@@ -173,7 +173,7 @@ class GuardHandle:
         self.trying = (value, accumulate)
         last = self.attempts[-1] if self.attempts else None
         if last is not None and last.outcome == "ok" and not last.probe and last.value == value:
-            return      # the retry sets the value that fitted, to keep it (recover/retrying.py): no attempt follows
+            return      # the retry sets the value that fitted, to keep it (recover/retry_loop.py): no attempt follows
         if self.quiet:
             return
         if self.form == "widget":

@@ -273,11 +273,10 @@ def short_oom_error(report: GuardReport):
     what = f"{report.variable}={report.attempts[-1].value}: " if report.variable and report.attempts else ""
     where = "call" if report.api else "cell"
     keep_going = "" if report.api else ", the kernel can keep going"
-    ranks = getattr(report, "ranks", None)
-    if ranks:           # in a process group: the same words on every rank (recover/ranks.py)
-        failed = [str(e["rank"]) for e in ranks[-1] if e["state"] == "oom"]
-        where = getattr(report, "ranked_what", where)
-        return cls(f"{what}out of memory in this {where} on rank{'s' if len(failed) > 1 else ''} "
+    ranks = report.ranks
+    if ranks is not None and ranks.attempts:    # in a process group: the same words on every rank (recover/ranks.py)
+        failed = [str(r) for r in ranks.failed()]
+        return cls(f"{what}out of memory in this {ranks.what or where} on rank{'s' if len(failed) > 1 else ''} "
                    f"{', '.join(failed)} of {len(ranks[-1])}: every rank stopped it (explained in rank 0's report)")
     return cls(f"{what}out of memory in this {where} (explained above; {format_bytes(reclaimed)} "
                f"reclaimed{keep_going})")

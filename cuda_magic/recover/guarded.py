@@ -1,7 +1,7 @@
 """The core: one guarded call, from start to result.
 
 A `GuardedRun` is the life of one guarded call on one meter. It runs the call (again, for a retry:
-recover/retrying.py), takes the one path after an out-of-memory error (inside the `except` block, read
+recover/retry_loop.py), takes the one path after an out-of-memory error (inside the `except` block, read
 what the failure says; outside it, undo the attempt, release what the failure held, stop the black box)
 and builds the report. Nothing else writes the report. Its shapes:
 
@@ -146,14 +146,9 @@ class GuardedRun:
                 value, error = result.value, result.error
                 self.report.outcome = result.attempt.outcome
             else:
-                from cuda_magic.recover.retrying import ranks_in_group, run_retried
+                from cuda_magic.recover.retry_loop import run_retried
 
-                if ranks_in_group() > 1:    # in a torch.distributed process group: every rank together
-                    from cuda_magic.recover.ranked_retry import RankedRetryLoop
-
-                    value, error = await RankedRetryLoop(self).attempts(call)
-                else:
-                    value, error = await run_retried(self, call)
+                value, error = await run_retried(self, call)   # in a process group: every rank together
         except KeyboardInterrupt:
             self.report.outcome = Outcome.INTERRUPTED
             raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 from cuda_magic.recover.ranks import (FRESH_GROUP_NOTE, PeerStopped, Ranks, error_words, failed_ranks,
                                       failure_line, fingerprint, is_collective_error, rank_words, settled,
                                       verdict)
-from cuda_magic.recover.report import Outcome
+from cuda_magic.recover.report import Outcome, RankFacts
 
 
 class RankedBlock:
@@ -27,9 +27,8 @@ class RankedBlock:
         self.run = run
         self.ranks = Ranks(timeout)      # the first time: a group made by every rank, as each enters
         self.ranks.attach([obj for _, obj in stateful_objects([(str(i), v) for i, v in enumerate(objects)])])
-        report = run.report
-        report.rank, report.world, report.ranks = self.ranks.rank, self.ranks.world, []
-        report.ranked_what = what        # 'block' (with oomguard()), 'call' (@oomguard() without retry=)
+        # what: 'block' (with oomguard()), 'call' (@oomguard() without retry=)
+        run.report.ranks = RankFacts(self.ranks.rank, self.ranks.world, what=what)
         self._handles: list = []
 
     def begin(self) -> None:
@@ -61,12 +60,12 @@ class RankedBlock:
         del exc
         entries = ranks.stopped_with if stopped else ranks.meet(entry)
         entries = settled(entries)
-        run.report.ranks.append(entries)
+        run.report.ranks = run.report.ranks.added(entries)
         if verdict(entries) == "ok":          # raises RankError where a rank failed with another error
             return result
         report = run.report
         report.outcome, report.exception_text = Outcome.OOM, ""
-        run.note(rank_words(entries, f"the {report.ranked_what}"))
+        run.note(rank_words(entries, f"the {report.ranks.what}"))
         if ranks.reset_ddps(entries):
             run.note(FRESH_GROUP_NOTE)
         self._compare(entries)

@@ -1,6 +1,6 @@
 """The ranks of a torch.distributed process group agreeing on a retry (SPEC: "Under torch.distributed").
 
-Imported only inside a process group of more than one rank (recover/retrying.py checks that without
+Imported only inside a process group of more than one rank (recover/retry_loop.py checks that without
 importing anything). Every rank meets the others with one small `all_gather_object` on a group of its own
 (gloo, with the timeout of `oomguard(timeout=...)`), made once by every rank: after each forward pass of a
 DistributedDataParallel module the guarded call reaches (a forward hook, during attempts only) and at the

@@ -5,7 +5,8 @@ the text, HTML and widget forms in `display/` ask it, so that they cannot disagr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from cuda_magic.reprs import Rendered, render
@@ -79,6 +80,34 @@ class Retry:
         return self.final is None
 
 
+@dataclass(frozen=True)
+class RankFacts(Sequence):
+    """Inside a torch.distributed process group of more than one rank (recover/ranks.py): this rank, the
+    group's size, what the ranks ended together, and per attempt every rank's entry (its state, value,
+    peak, failing request and line), in rank order. A sequence of those attempts: `report.ranks[-1]` is the
+    last one's entries."""
+
+    rank: int
+    world: int
+    what: str | None = None               # 'block' (`with oomguard()`), 'call' (`@oomguard()` without
+                                          # retry=); None for a retry (the short error says 'call' or 'cell')
+    attempts: tuple = ()                  # per attempt: a tuple of every rank's entry (a dict)
+
+    def __getitem__(self, index):
+        return self.attempts[index]
+
+    def __len__(self) -> int:
+        return len(self.attempts)
+
+    def added(self, entries) -> RankFacts:
+        """These facts with one more attempt's entries."""
+        return replace(self, attempts=(*self.attempts, tuple(entries)))
+
+    def failed(self) -> list[int]:
+        """The ranks that ran out of memory in the last attempt."""
+        return [e["rank"] for e in self.attempts[-1] if e["state"] == "oom"] if self.attempts else []
+
+
 @dataclass(repr=False)
 class GuardReport(Rendered):
     """The result of one `%%oomguard` cell; `-o` returns it (shown as one line: it has been displayed)."""
@@ -106,6 +135,7 @@ class GuardReport(Rendered):
     api: bool = False                     # run through the Python API: advice speaks of it, not of magics
     blackbox: BlackBox | None = None      # what the run did with memory, by line (None: not recorded)
     timeline_requested: bool = False      # --timeline / timeline=True: show it for a run that fitted too
+    ranks: RankFacts | None = None        # inside a process group of more than one rank: every rank's figures
 
     def __post_init__(self):
         self.outcome = Outcome(self.outcome)
