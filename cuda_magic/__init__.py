@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _API = {
     "diff": ("cuda_magic.memory.snapshot", "diff"),
     "explain": ("cuda_magic.oom.diagnosis", "explain"),
-    "release": ("cuda_magic.recover.cleanup", "release"),
+    "release": ("cuda_magic.recover.release", "release"),
     "snapshot": ("cuda_magic.memory.capture", "snapshot"),
     "is_oom": ("cuda_magic.devices.errors", "is_oom"),
     "oomguard": ("cuda_magic.api", "oomguard"),

@@ -130,9 +130,9 @@ FAILURE_STEPS = {
     "cuda_magic.recover.notebook_refs": {"drop_exception"},
 }
 # the modules that define the steps, and the clean-up of %freecuda, which drops the notebook's references
-DEFINERS = {"cuda_magic.recover.failure", "cuda_magic.recover.cleanup", "cuda_magic.devices.recording",
+DEFINERS = {"cuda_magic.recover.failure", "cuda_magic.recover.release", "cuda_magic.devices.recording",
             "cuda_magic.memory.blackbox", "cuda_magic.recover.notebook_refs"}
-REPORT_WRITERS = CORE | {"cuda_magic.recover.report", "cuda_magic.recover.cleanup"}
+REPORT_WRITERS = CORE | {"cuda_magic.recover.report", "cuda_magic.recover.release"}
 # the prediction (fakerun/) runs nothing that can fail for real: it turns its fake run's recording into a
 # black box (its chart and its lines at the peak), and takes no other step of the path
 PREDICTION = {"cuda_magic.fakerun.planner": {"blackbox_from"}}

@@ -12,7 +12,7 @@ import pytest
 from cuda_magic.recover.report import GuardReport, RankFacts, ReleaseReport
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cuda_magic"
-# a `report` in the package is a guard report or a release report (recover/cleanup.py)
+# a `report` in the package is a guard report or a release report (recover/release.py)
 DECLARED = {n for cls in (GuardReport, ReleaseReport)
             for n in [f.name for f in dataclasses.fields(cls)] + dir(cls) if not n.startswith("__")}
 

@@ -10,7 +10,7 @@ from IPython.testing import globalipapp
 
 from cuda_magic.recover.notebook_refs import clear_frame, drop_exception, drop_exception_refs, drop_output_cache
 from cuda_magic.memory.reach import has_gpu, holds_device_memory, is_device_tensor
-from cuda_magic.recover.cleanup import (MissingNames, all_device_variables, cpu_tensor_bytes, free_variables, release)
+from cuda_magic.recover.release import (MissingNames, all_device_variables, cpu_tensor_bytes, free_variables, release)
 
 CPU_IS_DEVICE = not has_gpu()
 needs_cpu_device = pytest.mark.skipif(not CPU_IS_DEVICE, reason="CPU tensors count only without a GPU")

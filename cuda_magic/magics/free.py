@@ -1,4 +1,4 @@
-"""`%freecuda`: give device memory back without a restart. A thin layer over recover/cleanup.py."""
+"""`%freecuda`: give device memory back without a restart. A thin layer over recover/release.py."""
 from __future__ import annotations
 
 from IPython.core.error import UsageError
@@ -21,7 +21,7 @@ class FreeMagics(Magics):
     def freecuda(self, line=""):
         """Drop what only the notebook machinery holds (last error, output cache), collect garbage, empty
         the allocator cache, and report the bytes freed and the variables that still hold device memory."""
-        from cuda_magic.recover.cleanup import MissingNames, free_all_variables, free_variables, release
+        from cuda_magic.recover.release import MissingNames, free_all_variables, free_variables, release
 
         args = parse_args(self.freecuda, line)
         for name in args.names:

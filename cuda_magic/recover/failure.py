@@ -22,7 +22,7 @@ from cuda_magic.oom.messages import FATAL_NOTE, attach_note, oom_fields
 from cuda_magic.memory.kinds import IN_FAILING_OP
 from cuda_magic.oom.findings import OomFields
 from cuda_magic.paths import is_library_file, is_torch_or_python_file
-from cuda_magic.recover.cleanup import empty_caches
+from cuda_magic.recover.release import empty_caches
 from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception, drop_exception_refs
 from cuda_magic.recover.report import FailurePoint, GuardReport, Outcome
 

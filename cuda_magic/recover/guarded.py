@@ -303,7 +303,7 @@ class GuardedRun:
         autograd engine, then the caches."""
         import gc
 
-        from cuda_magic.recover.cleanup import empty_caches
+        from cuda_magic.recover.release import empty_caches
         from cuda_magic.recover.notebook_refs import drain_autograd, drop_exception
 
         drop_exception(exc, user_ns=self.namespace, sever=True)

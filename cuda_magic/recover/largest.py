@@ -1,5 +1,5 @@
 """The one search for the largest value that fits: `-r` and `--search` (recover/retry.py, driven by the
-retry loops of recover/retrying.py and recover/ranked_retry.py) and `--predict -r` (fakerun/planner.py).
+retry loop of recover/retry_loop.py and recover/ranked_retry.py) and `--predict -r` (fakerun/planner.py).
 
 Pure logic: no torch, no IPython. Values are ints, sizes int bytes.
 

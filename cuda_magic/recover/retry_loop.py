@@ -227,7 +227,7 @@ class RetryLoop:
         makes (fresh copies of the states) counts on the device, as on a GPU."""
         import gc
 
-        from cuda_magic.recover.cleanup import empty_caches
+        from cuda_magic.recover.release import empty_caches
 
         with self.guarded.meter.counting():
             self.checkpoint.restore()
