@@ -320,6 +320,8 @@ def test_after_a_retry_that_fitted_the_lead_is_the_value_to_keep(tip, capsys):
     assert lead[-2:] == [f"    batch_size = {final}", f"    accum_steps = {acc}"], lead
     assert "mixed precision" not in " ".join(lead)
     assert any(line.startswith("Or: Run in mixed precision") for line in out.splitlines())
+    # the accumulation is done (`-a` raised it): no advice to add it
+    assert "gradient accumulation" not in out and "(loss / accum_steps).backward()" not in out
     from cuda_magic.display.html import guard_html
 
     html = guard_html(report)
