@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_fitmap.py [--cells mlp cnn gpt llama bert resnet generate]
         [--scale small|large] [--start-factor 2] [--every N] [--window 0.2] [--grid 6]
-        [--estimate CELL=N ...] [--json OUT] [--maps IN]
+        [--estimate CELL=N ...] [--guess CELL=N ...] [--within 0.05] [--map-first] [--json OUT] [--maps IN]
 
 For each cell (bench/bench_predict.py's cells: the MLP, CNN and GPT of bench_retry_training.py, and the
 transformers Llama, BERT and `generate` and the ResNet of tests/model_cells.py, built from configs), in a
@@ -13,15 +13,18 @@ allocator does: 2 and 20 MiB segments, rounded blocks, its cache):
   largest, a value too large): `-r bs` (runs of the cell, the value kept), `-r bs --search` (probes, then
   the real run), `--predict -r bs` (its largest, and whether that value fits when run); whether the model
   and optimizer after `-r` and `--search` equal one clean run's at the value kept;
-- the fit map: the cell run from the start state at every value from 1 to 25% above the largest any
-  method or the estimate found, where that is at most `--every` values; else (`fit_map`) the values
-  within 1% of each value found, 12 spread over `--window` around them and a coarse grid (`--grid`
-  values) below, with the estimate's own bisection runs. Its largest fitting value is the largest.
-  Compact: ranges that fit and that do not.
+- the fit map: the cell run from the start state at every value from 1 to 20% (`--window`) above the
+  largest any method or the estimate found, where that is at most `--every` values; else (`fit_map`) every
+  value from `--window` below the smallest value found to `--window` above the largest, and a coarse grid
+  (`--grid` values) below, with the estimate's own runs. Its largest fitting value is the largest. Compact:
+  ranges that fit and that do not; `seen` in the JSON: every value run and whether it fitted.
+- the estimate: doubling from `--guess` (default 8), then bisection until the bracket is within
+  `--within` of its lower end (the map around it finds the largest). `--map-first`: the map around the
+  estimate is run and written to `--json` before the methods run (so that `--maps` can use it elsewhere).
 
 `--scale small`: the cells' own small devices (32-192 MiB, where a 20 MiB segment is 10-60% of it);
-`--scale large`: 2 GiB and up (a 20 MiB segment under 1%), the cells made larger per row where a run at
-that size would take more than a few seconds on two cores (see LARGE). `--maps IN` reads the largest
+`--scale large`: 2 GiB (a 20 MiB segment under 1%), each cell's rows made larger (wider, longer, bigger
+images; see LARGE) so that its largest value at 2 GiB is about 50-150 and a window of 20% is tens of runs. `--maps IN` reads the largest
 values of an earlier run's JSON instead of mapping again (to measure another version of the code against
 the same maps).
 """
@@ -43,22 +46,35 @@ import bench_retry_training as brt  # noqa: E402
 # large scale: the capacity, and the set-up's edits that make a row larger (wider, longer) so that the
 # largest value stays small enough for a run to take seconds
 LARGE = {
-    # the MLP narrowed at both ends (16 inputs, 16 after the wide layer): its memory is the wide layer's
-    # activations, elementwise work, not the matrix products that made a run at 2 GiB take 20 s and more
+    # the MLP narrow at both ends (16 inputs, 16 after the wide layer) and very wide between (2**20): its
+    # memory is the wide layer's activations, about 16 MiB a row, elementwise work rather than matrix products
     "mlp": ("2GiB", [("nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(),\n                      nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10)",
-                      "nn.Linear(16, 8192), nn.BatchNorm1d(8192), nn.ReLU(),\n                      nn.Linear(8192, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)")]),
-    # the CNN narrower (16-32 channels, less compute per byte) and its data set larger (16384 images)
-    "cnn": ("2GiB", [("(4096, 3, 32, 32)", "(16384, 3, 32, 32)"), ("(4096,)", "(16384,)"),
+                      "nn.Linear(16, 1048576), nn.BatchNorm1d(1048576), nn.ReLU(),\n                      nn.Linear(1048576, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)")]),
+    # the CNN narrower (4-16 channels, pooled after each block: less compute per byte) on 384x384 images
+    # (144 times the pixels), 320 of them
+    "cnn": ("2GiB", [("(4096, 3, 32, 32)", "(320, 3, 384, 384)"), ("(4096,)", "(320,)"),
                      ("*block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128), nn.MaxPool2d(2),\n                      *block(128, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)",
-                      "*block(3, 16), *block(16, 16), nn.MaxPool2d(2), *block(16, 32), nn.MaxPool2d(2),\n                      *block(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)")]),
+                      "*block(3, 4), nn.MaxPool2d(2), *block(4, 8), nn.MaxPool2d(2), *block(8, 16), nn.MaxPool2d(2),\n                      *block(16, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)")]),
     "gpt": ("2GiB", [("V, T, D = 512, 64, 128", "V, T, D = 4096, 256, 32")]),
     "llama": ("2GiB", [("vocab_size=512, hidden_size=64, intermediate_size=176", "vocab_size=8192, hidden_size=64, intermediate_size=176")]),
     "bert": ("2GiB", [("vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,\n                 max_position_embeddings=128", "vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,\n                 max_position_embeddings=512")]),
+    # the ResNet narrower (4-8-16 channels: a quarter of the compute per byte of 16-32-64) on 384x384 images
+    # (144 times the pixels), 256 of them
+    "resnet": ("2GiB", [("(512, 3, 32, 32)", "(256, 3, 384, 384)"), ("(512,)", "(256,)"),
+                        ("nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16)",
+                         "nn.Conv2d(3, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4)"),
+                        ("Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2)",
+                         "Block(4, 4, 1), Block(4, 8, 2), Block(8, 16, 2)"),
+                        ("nn.Linear(64, 10)", "nn.Linear(16, 10)")]),
+    # `generate` after 1024-token prompts: its largest at 2 GiB is about 416 (the attention is not materialised,
+    # so the memory grows only linearly with the prompt): still too many values for a window here
+    "generate": ("2GiB", [("max_position_embeddings=256", "max_position_embeddings=1088")]),
 }
 LARGE_CELL = {
     "mlp": [("torch.randn(bs, 256)", "torch.randn(bs, 16)")],
     "llama": [("(bs, 32)", "(bs, 128)")],
-    "bert": [("48", "384")],
+    "bert": [("48", "512")],
+    "generate": [("torch.randint(1, 512, (bs, 16))", "torch.randint(1, 512, (bs, 1024))")],
 }
 
 
@@ -104,34 +120,30 @@ def fits(ip, value: int, seen: dict) -> bool:
     return seen[value]
 
 
-def estimate(ip, seen: dict) -> int:
-    """A first estimate of the largest value (doubling, then bisection: monotone, so not the truth)."""
-    hi = 8
-    while fits(ip, hi, seen):
-        hi *= 2
+def estimate(ip, seen: dict, guess: int = 8, within: float = 0.0) -> int:
+    """A first estimate of the largest value (doubling from `guess`, then bisection until the bracket is
+    within `within` of its lower end: monotone, so not the truth; the map around it finds the largest)."""
+    hi = max(2, guess)
     lo = 1
-    while hi - lo > 1:
+    while fits(ip, hi, seen):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, int(lo * within)):
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(ip, mid, seen) else (lo, mid)
     return lo
 
 
-def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: dict, fine: float = 0.01,
-            spread: int = 12) -> None:
-    """Every value up to 25% above the largest found where that is at most `every` values; else the values
-    within `fine` of each value found (every one, or 1 in f/300 above 300), `spread` values evenly over
-    `window` around them, and a coarse grid (`grid` values) below: on these 2 cores, shared, a run takes
-    2-10 s and every value of a window of hundreds is out of reach."""
-    top = int(1.25 * max(found)) + 1
+def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: dict) -> None:
+    """Every value from 1 to 20% above the largest found where that is at most `every` values; else every
+    value within `window` of the values found (from `window` below the smallest to `window` above the
+    largest) and a coarse grid (`grid` values) below."""
+    top = int((1 + window) * max(found)) + 1
     if top <= every:
         values = set(range(1, top + 1))
     else:
-        low, high = int(min(found) * (1 - window)), int(max(found) * (1 + window)) + 1
-        values = {low + (high - low) * i // spread for i in range(spread + 1)}
+        low = max(1, int(min(found) * (1 - window)))
+        values = set(range(low, top + 1))
         values |= {max(1, low * i // grid) for i in range(1, grid)}
-        for f in found:
-            values |= set(range(max(1, int(f * (1 - fine))), int(f * (1 + fine)) + 2, max(1, f // 300)))
-            values |= {f - 1, f, f + 1}
     for v in sorted(values):
         fits(ip, v, seen)
 
@@ -171,6 +183,12 @@ def main(argv=None) -> None:
     parser.add_argument("--grid", type=int, default=6)
     parser.add_argument("--estimate", nargs="*", default=[], metavar="CELL=N",
                         help="a first estimate of the largest, known already (skips finding it)")
+    parser.add_argument("--guess", nargs="*", default=[], metavar="CELL=N",
+                        help="where the estimate's doubling starts (default 8)")
+    parser.add_argument("--within", type=float, default=0.0,
+                        help="the estimate's bisection stops within this share (the map finds the largest)")
+    parser.add_argument("--map-first", action="store_true",
+                        help="map around the estimate and write it before running the methods")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--maps", help="an earlier run's JSON: its largest values and starts, not mapped again")
     args = parser.parse_args(argv)
@@ -188,21 +206,35 @@ def main(argv=None) -> None:
             est, start = earlier[key]["estimate"], earlier[key]["start"]
         else:
             known = dict(item.split("=") for item in args.estimate)
-            est = int(known[key]) if key in known else estimate(ip, seen)
+            guesses = dict(item.split("=") for item in args.guess)
+            est = (int(known[key]) if key in known else
+                   estimate(ip, seen, int(guesses.get(key, 8)), args.within))
             start = int(est * args.start_factor)
         run_seconds = time.perf_counter() - t0
         PARTIAL["_partial"][key].update(estimate=est, start=start)
+
+        def result(found):
+            if key in earlier:
+                largest, compact, kept = earlier[key]["largest"], earlier[key]["map"], earlier[key].get("seen")
+            else:
+                largest, compact = max(v for v, ok in seen.items() if ok), ranges(seen)
+                kept = {str(v): ok for v, ok in sorted(seen.items())}
+            return dict(cap=cap, estimate=est, start=start, largest=largest, map=compact, methods=found,
+                        estimate_seconds=run_seconds, runs=len(seen), seen=kept)
+
+        if key not in earlier and args.map_first:
+            # the map around the estimate first, written out before the methods run (for `--maps` elsewhere)
+            fit_map(ip, [est], args.every, args.window, args.grid, seen)
+            results[key] = PARTIAL[key] = result(None)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         found = methods(ip, cell, start, seen)
         PARTIAL["_partial"][key].update(methods=found)
         save(args.json)
-        if key in earlier:
-            largest, compact = earlier[key]["largest"], earlier[key]["map"]
-        else:
+        if key not in earlier:
             fit_map(ip, [est] + [m["found"] for m in found.values() if m["found"]], args.every, args.window,
                     args.grid, seen)
-            largest, compact = max(v for v, ok in seen.items() if ok), ranges(seen)
-        results[key] = dict(cap=cap, estimate=est, start=start, largest=largest, map=compact, methods=found,
-                            estimate_seconds=run_seconds)
+        results[key] = result(found)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     command = "command: .venv/bin/python bench/bench_fitmap.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import run_ok
 
 MODEL = """
@@ -289,3 +291,119 @@ def test_a_list_the_cell_makes_and_fills_with_losses_is_still_the_leak(tip):
                           ).result
     assert "losses" in {h.name for h in report.diagnosis.holders}
     assert any("losses.append(loss.item())" in (a.code or "") for a in report.diagnosis.advice)
+
+
+def _lead(out: str) -> list[str]:
+    """The "Do this" step's lines: its words and the lines to paste under it."""
+    lines = out.splitlines()
+    do = next(i for i, line in enumerate(lines) if line.startswith("Do this: "))
+    end = next(i for i in range(do + 1, len(lines)) if lines[i].startswith(("Or: ", "Black box", "More (")))
+    return lines[do:end]
+
+
+def test_after_a_retry_that_fitted_the_lead_is_the_value_to_keep(tip, capsys):
+    """Issue 36: after `-r` fitted, "Do this" was the diagnosis's first advice for the failure before it (mixed
+    precision), as if nothing had been done. It says what happened and what to keep: the value that fitted
+    (and the accumulation that keeps the effective batch), as lines to paste; the other advice follows."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, MODEL + "batch_size = 32768\naccum_steps = 1")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard -r batch_size -a accum_steps -o" + TRAIN).result
+    out = capsys.readouterr().out
+    assert report.outcome == "recovered"
+    final, acc = report.final_value, report.final_accumulate
+    assert final < 32768 and acc > 1
+    lead = _lead(out)
+    assert _flat(" ".join(lead)).startswith(f"Do this: batch_size={final} fits: the cell ran once at it "
+                                     f"(batch_size=32768 ran out of memory), and accum_steps={acc} keeps the "
+                                     "effective batch"), lead
+    assert lead[-2:] == [f"    batch_size = {final}", f"    accum_steps = {acc}"], lead
+    assert "mixed precision" not in " ".join(lead)
+    assert any(line.startswith("Or: Run in mixed precision") for line in out.splitlines())
+    # the accumulation is done (`-a` raised it): no advice to add it
+    assert "gradient accumulation" not in out and "(loss / accum_steps).backward()" not in out
+    from cuda_magic.display.html import guard_html
+
+    html = guard_html(report)
+    do = html.index("<b>Do this:</b>")
+    assert html.index(f"batch_size={final} fits", do) < html.index("Or: ", do)
+    assert f"batch_size = {final}\naccum_steps = {acc}" in html
+
+
+def test_each_attempt_row_says_where_it_ran_out_what_it_asked_and_its_peak(tip, capsys):
+    """Issue 36: the folded attempts table gave each attempt's request and peak but not where it ran out:
+    bs=512 ran out at line 1 asking 512 MiB, the next value at line 2 asking 200 MiB; each row says its own
+    line (not the last failure's), its request, its peak; the value that fitted says so."""
+    tip.run_line_magic("gpumem", "--simulate 256MiB -q")
+    run_ok(tip, "bs = 512")
+    capsys.readouterr()
+    report = tip.run_cell(TWO_LINES).result
+    capsys.readouterr()
+    tip.run_line_magic("oomguard", "last")
+    full = capsys.readouterr().out
+    rows = full.split("\nAttempts\n")[1].splitlines()
+    assert rows[0].split() == ["#", "bs", "outcome", "asked", "peak", "duration"]
+    from cuda_magic.units import format_bytes
+
+    by_value = {a.value: (i, a) for i, a in enumerate(report.attempts, 1)}
+    i, first = by_value[512]
+    row = _flat(rows[i])
+    assert re.match(rf"{i} 512 out of memory at cell line 1 `a = torch\.empty\(bs, 2\*\*20, dtyp…` 512\.00 MiB "
+                    rf"{re.escape(format_bytes(first.peak))} ", row), row
+    later = [(i, a) for i, a in enumerate(report.attempts, 1) if a.outcome == "oom" and a.value != 512]
+    assert later
+    for i, a in later:
+        row = _flat(rows[i])
+        assert f"{a.value} out of memory at cell line 2 `b = torch.empty(200 * 2**20, dt…` 200.00 MiB " in row, row
+
+    i, kept = next((i, a) for i, a in enumerate(report.attempts, 1) if a.outcome == "ok")
+    assert re.match(rf"{i}\s+{kept.value}\s+fitted\s+{re.escape(format_bytes(kept.peak))}\s", rows[i].strip()), rows[i]
+    from cuda_magic.display.html import guard_html
+
+    html = guard_html(report)
+    table = html.split("<b>Attempts</b>")[1]
+    assert "out of memory at cell line 1 `a = torch.empty(bs, 2**20, dtyp…`</td>" in table
+    assert "out of memory at cell line 2" in table and "fitted</td>" in table
+
+
+def test_a_real_model_far_too_large_leads_with_the_batch(tip, capsys):
+    """Issue 36's report item 2 on a real cell: a transformers Llama trained at 17 times the largest batch
+    that fits (85 on 64 MiB), after a run at 80 left the cache holding more than the failing request, led
+    with "Switch on expandable_segments" (pasted, it runs out again at the same line); it leads with the
+    batch (`-r bs`), expandable_segments after it (the figures-only test is tests/test_diagnosis_rules.py's)."""
+    pytest.importorskip("transformers")
+    from model_cells import LLAMA, LLAMA_CELL
+
+    tip.run_line_magic("gpumem", "--simulate 64MiB -q")
+    run_ok(tip, LLAMA)
+    run_ok(tip, "reset()\nbs = 80\n" + LLAMA_CELL)            # fits: its segments stay cached
+    run_ok(tip, f"reset()\nbs = {17 * 85}")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\n" + LLAMA_CELL).result
+    out = capsys.readouterr().out
+    assert report.outcome == "oom"
+    assert report.oom.reserved_unallocated > report.oom.requested      # the cache could have served it
+    assert "fragmentation" in report.diagnosis.causes
+    lead = _lead(out)
+    assert lead[0].startswith("Do this: Use a smaller batch"), lead
+    assert lead[-1] == "    %%oomguard -r bs", lead
+    assert "expandable" not in " ".join(lead)
+    run_ok(tip, "reset()")
+
+
+def test_a_cell_the_cache_stands_in_the_way_of_leads_with_expandable_segments(tip, capsys):
+    """Issue 36's report item 2, the other side, on a real cell: a 60 MiB tensor freed leaves its segment
+    holding `b` (30 MiB) and a 30 MiB hole; `c` (40 MiB) does not fit though the tensors alone (70 MiB) would
+    on 80 MiB: the cache stands between the request and fitting, so expandable_segments leads."""
+    tip.run_line_magic("gpumem", "--simulate 80MiB -q")
+    run_ok(tip, "bs = 30")
+    capsys.readouterr()
+    report = tip.run_cell("%%oomguard --no-raise -o\nb = c = None\na = torch.empty(60 * 2**20, dtype=torch.uint8)\n"
+                          "del a\nb = torch.empty(bs * 2**20, dtype=torch.uint8)\n"
+                          "c = torch.empty(40 * 2**20, dtype=torch.uint8)\n").result
+    out = capsys.readouterr().out
+    assert report.oom.reserved_unallocated == 30 * 2**20 and report.oom.allocated_by_torch == 30 * 2**20
+    lead = _lead(out)
+    assert lead[0].startswith("Do this: Switch on expandable_segments"), lead
+    assert any("--expandable-segments" in line for line in lead), lead
+    run_ok(tip, "b = c = None")

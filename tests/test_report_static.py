@@ -94,7 +94,7 @@ def test_the_legend_stays_inside_the_chart():
 def test_code_blocks_follow_the_sentence_that_introduces_them():
     report = guard_report()
     code = "with torch.no_grad():\n    out = model(x)"
-    report = replace(report, diagnosis=replace(report.diagnosis, advice=[
+    report = replace(report, outcome="oom", diagnosis=replace(report.diagnosis, advice=[
         Advice("Run the evaluation without a graph: wrap it in `torch.no_grad()` so nothing is kept", code)]))
     html = H.answer_html(report)
     sentence = html.index("so nothing is kept")

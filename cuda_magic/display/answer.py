@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from cuda_magic.display.blackbox_view import line_label
 from cuda_magic.display.elements import shorten
-from cuda_magic.display.layout import guard_title
-from cuda_magic.paths import is_cell_file
+from cuda_magic.display.layout import guard_title, point_words
 from cuda_magic.units import format_bytes
 
 STEPS = 3                 # things to do shown unfolded: the first in full, the next ones as short lines
@@ -47,12 +46,7 @@ def where_words(report) -> str:
         return f"`{shorten(site.code, CODE_WIDTH)}` at {line_label(site)}"
     if f is None:
         return ""
-    code = f" `{shorten(f.text.strip(), CODE_WIDTH)}`" if f.text and f.text.strip() else ""
-    shown_file = f.filename and not is_cell_file(f.filename)
-    if f.line is not None:
-        inside = f" inside {f.function}" + (f" ({f.filename})" if shown_file else "") if f.function else ""
-        return f"cell line {f.line}{code}{inside}"
-    return (f.function or "code outside the cell") + (f" ({f.filename})" if shown_file else "")
+    return point_words(f, CODE_WIDTH) or "code outside the cell"
 
 
 def asked_words(oom, tensor: int | None = None) -> str:
@@ -155,12 +149,35 @@ def _label(text: str) -> str:
     return (head[:cut] if cut > 0 else head[:LABEL_WIDTH]).rstrip(" ,;(") + " …"
 
 
+def kept_step(report) -> Step | None:
+    """After a retry that fitted: what happened and what to keep, first (the diagnosis's advice, for the
+    failure before it, comes after): 'bs=80 fits: keep it', with the line that sets it for the next runs."""
+    var, final = report.variable, report.final_value
+    if report.outcome != "recovered" or not var or final is None:
+        return None
+    failed = list(dict.fromkeys(a.value for a in report.attempts if a.outcome == "oom" and a.value is not None))
+    ran_out = f"{var}={', '.join(str(v) for v in failed)} ran out of memory" if failed else ""
+    code = f"{var} = {final}"
+    text = f"{var}={final} fits: the cell ran once at it" + (f" ({ran_out})" if ran_out else "")
+    acc, acc_final = report.accumulate, report.final_accumulate
+    if acc and acc_final is not None:
+        code += f"\n{acc} = {acc_final}"
+        text += (f", and {acc}={acc_final} keeps the effective batch ({var} x {acc} = {final * acc_final}, "
+                 f"{report.original_value} x {report.original_accumulate} before)")
+    text += f". Both are set now; keep them in the cell that sets them for the next runs:" if acc else \
+        f". {var} is set now; keep it in the cell that sets it for the next runs:"
+    return Step(f"{var}={final} fits: keep it", text, code)
+
+
 def steps(report, count: int = STEPS) -> list[Step]:
-    """The first things to do, most useful first (the diagnosis's advice)."""
+    """The first things to do, most useful first: after a retry that fitted, the value to keep; then the
+    diagnosis's advice."""
     diag = report.diagnosis
-    if diag is None:
-        return []
-    return [Step(_label(a.text), a.text, a.code) for a in diag.advice[:count]]
+    lead = kept_step(report)
+    out = [lead] if lead is not None else []
+    if diag is not None:
+        out += [Step(_label(a.text), a.text, a.code) for a in diag.advice[:count - len(out)]]
+    return out
 
 
 def more_words(report) -> str:

@@ -209,13 +209,13 @@ def attempts_html(report) -> str:
         return ""
     shown = report.attempts_shown
     rows = attempt_rows(shown, report.variable)
-    col = len(rows[0]) - 3                       # the outcome column
+    col = len(rows[0]) - 4                       # the outcome column
     for row, pair in zip(rows, shown):
         if isinstance(pair, int):
             continue
         color = OUTCOME_COLORS.get(pair[1].outcome, "currentColor")
         row[col] = f'<span style="color:{color}">●</span> {escape(row[col])}'
-    table = html_table(attempt_headers(report.variable), rows, {0, col + 1, col + 2},
+    table = html_table(attempt_headers(report.variable), rows, {0, col + 1, col + 2, col + 3},
                        cls="cuda-magic-attempts-table", raw={col})
     return '<div style="margin-top:6px"><b>Attempts</b></div>' + table
 

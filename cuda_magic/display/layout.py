@@ -229,27 +229,53 @@ def reclaimed_words(report) -> str:
     return f"Memory reclaimed: {per}.{keep_going}"
 
 
+ATTEMPT_CODE_WIDTH = 32     # the failing line's code in an attempt's row, at most
+
+
+def point_words(point, code_width: int) -> str:
+    """Where a run ran out, from its FailurePoint: 'cell line 4 `y = f(x)`', 'cell line 4 `y = f(x)` inside
+    attend', 'attend (model.py)'; '' where nothing is known."""
+    from cuda_magic.display.elements import shorten
+    from cuda_magic.paths import is_cell_file
+
+    if point is None:
+        return ""
+    code = f" `{shorten(point.text.strip(), code_width)}`" if point.text and point.text.strip() else ""
+    shown_file = point.filename and not is_cell_file(point.filename)
+    if point.line is not None:
+        inside = (f" inside {point.function}" + (f" ({point.filename})" if shown_file else "")
+                  if point.function else "")
+        return f"cell line {point.line}{code}{inside}"
+    if not (point.function or shown_file):
+        return ""
+    return (point.function or "code outside the cell") + (f" ({point.filename})" if shown_file else "")
+
+
 def attempt_rows(rows, variable: str | None) -> list[list[str]]:
-    """Table rows for (number, attempt) pairs; an int is the gap of a cut list (how many are left out)."""
+    """Table rows for (number, attempt) pairs; an int is the gap of a cut list (how many are left out). Each
+    attempt says its own outcome: where it ran out (its line, not the last failure's) or that it fitted, what
+    its failing allocation asked for, its peak."""
     out = []
-    width = 4 + (1 if variable else 0)
+    width = 5 + (1 if variable else 0)
     for row in rows:
         if isinstance(row, int):
             out.append(["…"] + [""] * (width - 2) + [f"{row} more"])
             continue
         i, a = row
         outcome = OUTCOME_WORDS.get(a.outcome, str(a.outcome))
-        if a.outcome == "oom" and a.requested is not None:
-            outcome += f" (asked {format_bytes(a.requested)})"
-        if a.probe:
-            outcome += ", probe"
+        if a.outcome == "ok":
+            outcome = "fitted, a probe (rolled back)" if a.probe else "fitted"
+        elif a.outcome == "oom":
+            where = point_words(a.where, ATTEMPT_CODE_WIDTH)
+            outcome = "out of memory" + (f" at {where}" if where else "") + (", a probe" if a.probe else "")
+        asked = format_bytes(a.requested) if a.outcome == "oom" and a.requested is not None else ""
         line = [str(i)] + ([str(a.value)] if variable else [])
-        out.append(line + [outcome, format_bytes(a.peak), format_duration(a.duration)])
+        out.append(line + [outcome, asked, format_bytes(a.peak), format_duration(a.duration)])
     return out
 
 
 def attempt_headers(variable: str | None) -> list[str]:
-    return ["#"] + ([variable] if variable else []) + ["outcome", "peak", "duration"]
+    return ["#"] + ([variable] if variable else []) + ["outcome", "asked", "peak", "duration"]
 
 
 def watch_line(rec) -> str:

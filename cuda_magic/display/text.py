@@ -246,7 +246,7 @@ def _attempts_text(report) -> list[str]:
         return []
     rows = attempt_rows(report.attempts_shown, report.variable)
     return ["Attempts"] + table(attempt_headers(report.variable), rows,
-                                right={0, len(rows[0]) - 2, len(rows[0]) - 1})
+                                right={0, len(rows[0]) - 3, len(rows[0]) - 2, len(rows[0]) - 1})
 
 
 def _value_text(report, running: bool) -> list[str]:

@@ -185,6 +185,8 @@ def _kv_cache(ctx):
 def _accumulate(ctx):
     if ctx.facts.independent:
         return None
+    if ctx.retried and ctx.facts.accum_var:
+        return None                   # `-r -a` fitted: the accumulation that keeps the effective batch is set
     return Advice(f"Keep the effective batch with gradient accumulation: run {ctx.accum} smaller "
                   f"batches, scale each loss by 1/{ctx.accum}, and step the optimizer once after "
                   "them.", f"(loss / {ctx.accum}).backward()")

@@ -278,7 +278,8 @@ class GuardedRun:
             filename = cell_filename_of(exc.__traceback__)
         failure = read_failure(exc, self.meter, filename=filename, lines=options.lines,
                                progress=options.retry is not None, timed=options.timed_lines)
-        return Attempt(value, Outcome.OOM, peak, failure.oom.requested, duration, start), failure
+        return Attempt(value, Outcome.OOM, peak, failure.oom.requested, duration, start,
+                       where=failure.point), failure
 
     def _release(self, exc, failure: Failure, attempt: Attempt, *, undo=None) -> None:
         """Outside the `except` block: what the namespace held at the failure (before the attempt is undone:

@@ -46,6 +46,7 @@ class Attempt:
     reclaimed: int | None = None          # bytes the clean-up after this attempt gave back
     probe: bool = False                   # a --search probe: rolled back even though it fitted
     reason: str = ""                      # why this value was tried (the retry policy's words)
+    where: FailurePoint | None = None     # the line where this attempt ran out (its own failure, not the last's)
 
     def __post_init__(self):
         self.outcome = Outcome(self.outcome)
