@@ -601,6 +601,10 @@ class BatchSearch:
                 predicted, fitted_line = modeled, False
                 how = (f"the largest value whose measured pass the caching allocator's model serves "
                        f"({modeled})")
+            elif modeled is not None and predicted is not None and bound == modeled < predicted:
+                # the bytes say more; the allocator model bounds it (the value is the same: the bound's)
+                how = (f"{how}: {int(predicted)}, at most {modeled}, the largest value the caching allocator's "
+                       "model serves")
         tried = {m.value for m in self.history}
         if (modeled is not None and best < modeled < hi and modeled not in tried and best >= self.goal * bound
                 and len(self.history) < self.max_attempts):
