@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cuda_magic.oom.classify import oom_kind
 from cuda_magic.recover.progress import ModelCost
-from cuda_magic.recover.replay import _reserves_segments, _timeline_of
+from cuda_magic.recover.probe_timeline import reserves_segments, timeline_of
 
 SLICE = 32
 MIN_ROWS = 1
@@ -71,7 +71,7 @@ class GenerationReplay:
             allocator = meter.device.allocator_copy if timeline else None
         return ModelCost(rows=self.rows, lines=((small - per_row * rows, per_row),), probe_rows=(rows, 2 * rows),
                          seconds=time.perf_counter() - t0, whole_call=True, timeline=timeline,
-                         allocator=allocator, segments=_reserves_segments(meter))
+                         allocator=allocator, segments=reserves_segments(meter))
 
     def _peak(self, rows: int, meter, torch) -> tuple[int, object]:
         """The call's peak on `rows` rows above what was allocated before it, and its allocations and frees
@@ -84,7 +84,7 @@ class GenerationReplay:
         kwargs = {k: cut(v) for k, v in self.kwargs.items()}
         meter.reset_peak()
         before = meter.allocated() or 0
-        recording = _timeline_of(meter)
+        recording = timeline_of(meter)
         try:
             with torch.no_grad(), _quiet_transformers():
                 out = self.root.generate(self.prompts[:rows], **kwargs)

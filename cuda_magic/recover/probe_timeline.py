@@ -13,9 +13,13 @@ So on a device that models the caching allocator (the simulated device: `allocat
 `copy_state`, `attach_recorder`), each run `--search` makes is recorded: its allocations and frees in
 order (devices/allocator_replay.Timeline). The runs that fitted, matched event for event (two values
 make the same sequence of requests, each a line in the value), are replayed at a candidate value on a
-copy of the allocator as the next run will find it (the probe's own tensors given back, as the roll-back
-does): the candidate fits where the copy serves every request. One run alone is scaled in proportion
-(its fixed part counted per unit: it says less fits, never more). Pure Python, no torch import.
+copy of the allocator as the next run will find it (the probe's own tensors given back and the cache
+emptied, as the roll-back does): the candidate fits where the copy serves every request. With one run
+that fitted, the run that failed gives the second point for the events it made before failing (`run_lines`);
+one run alone scaled in proportion is the last resort (a fixed allocation grown with the value shares
+segments otherwise). Pure Python, no torch import.
+The recorders of a measured pass (recover/replay.py, recover/generation.py) are attached here too
+(`timeline_of`).
 """
 from __future__ import annotations
 
@@ -71,6 +75,23 @@ class RunTimeline(Timeline):
     def live(self) -> list[int]:
         """The storages the run made that are still alive (the cell's names hold them until rolled back)."""
         return list(self._index)
+
+
+def reserves_segments(meter) -> bool:
+    """Whether the metered device reserves as torch's caching allocator does (its out-of-memory message then
+    names the segment it could not reserve): a simulated device with its model of it, or a CUDA GPU."""
+    return getattr(getattr(meter, "device", None), "model", None) is not None or meter.key.startswith("cuda")
+
+
+def timeline_of(meter):
+    """A recorder of the pass's allocations and frees, attached to the metered device where it models torch's
+    caching allocator (a simulated device); else None."""
+    device = getattr(meter, "device", None)
+    if getattr(device, "model", None) is None or not hasattr(device, "allocator_copy"):
+        return None
+    recording = Timeline(device)
+    device.attach_recorder(recording)
+    return recording
 
 
 def _device(allocator):
