@@ -323,3 +323,17 @@ def test_search_asks_the_allocator_as_the_next_run_finds_it():
     policy.record(value, True, peak=peak + 8 * MiB, baseline=0)
     following = policy.next()
     assert f"the caching allocator's model serves ({largest})" in policy.reason, (largest, policy.reason)
+
+
+def test_the_next_run_finds_the_cache_emptied():
+    # the roll-back after a probe empties the cache before the next run (recover/retrying.py); a copy that
+    # kept the probe's block cached cut the next run's first request from it, and the segment it stays in
+    # cannot be given back for the larger request after (on the 2 GiB Llama: 101 served where 94 fits)
+    from cuda_magic.devices.allocator_replay import replay_fits
+    from cuda_magic.recover.probe_timeline import next_run_allocator
+
+    device = _Device(512 * MiB)
+    device.blocks[7] = device.model.malloc(300 * MiB)      # the probe's tensor, still bound by its name
+    step = ((ALLOC, 100 * MiB, 0, False), (ALLOC, 400 * MiB, 0, False))
+    assert replay_fits(next_run_allocator(device.allocator_copy, [7])(), step, 1)
+    assert not replay_fits(next_run_allocator(device.allocator_copy, [])(), step, 1)   # still bound: no room
