@@ -154,9 +154,9 @@ def ranges(seen: dict) -> str:
     return FitMap(seen).ranges()
 
 
-def methods(ip, cell: str, start: int, seen: dict) -> dict:
+def methods(ip, cell: str, start: int, seen: dict, chosen=("r", "search", "predict")) -> dict:
     out = {}
-    for key, flags in (("r", ""), ("search", "--search")):
+    for key, flags in [(k, f) for k, f in (("r", ""), ("search", "--search")) if k in chosen]:
         t0 = time.perf_counter()
         result = brt.guarded(ip, start, flags)
         result["seconds"] = time.perf_counter() - t0
@@ -164,6 +164,8 @@ def methods(ip, cell: str, start: int, seen: dict) -> dict:
         result["equal"] = bool(clean is not None and ip.user_ns["same"](result.pop("after"), clean))
         out[key] = result
         print(f"  {key}: {result['values']} -> {result['found']}", file=sys.stderr)
+    if "predict" not in chosen:
+        return out
     brt.fresh(ip, start)
     pred = brt.run(ip, "%%oomguard --predict -q -o -r bs\n" + cell)
     largest = pred.largest
@@ -191,6 +193,8 @@ def main(argv=None) -> None:
                         help="map around the estimate and write it before running the methods")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--maps", help="an earlier run's JSON: its largest values and starts, not mapped again")
+    parser.add_argument("--methods", nargs="+", choices=["r", "search", "predict"], default=["r", "search", "predict"],
+                        help="with --maps: only these (the others' figures taken from the maps' JSON)")
     args = parser.parse_args(argv)
     earlier = json.loads(Path(args.maps).read_text()) if args.maps else {}
     ip = brt.shell()
@@ -228,7 +232,9 @@ def main(argv=None) -> None:
             results[key] = PARTIAL[key] = result(None)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-        found = methods(ip, cell, start, seen)
+        found = methods(ip, cell, start, seen, args.methods)
+        if key in earlier:
+            found = {**{k: v for k, v in earlier[key]["methods"].items() if k not in args.methods}, **found}
         PARTIAL["_partial"][key].update(methods=found)
         save(args.json)
         if key not in earlier:

@@ -97,9 +97,10 @@ def test_search_lands_within_5_percent_of_the_largest(tip, which):
 def test_a_generate_retry_lands_within_15_percent(tip, allocator, monkeypatch):
     """Item 10: generation fails late (48 forwards on a growing cache): `-r` measures the whole
     `generate` call on slices of the prompts instead of reading one forward's share (it landed at 44%).
-    On the caching allocator the measured generation has no allocation timeline to replay through the
-    allocator (recover/generation.py), so its value is checked only by scaling the failure's memory:
-    within 15% still, in at most 4 runs (a known gap: the README's "What was verified where")."""
+    Issue 36: on the caching allocator the measured call's allocations and frees are replayed at each
+    candidate on the allocator model (recover/generation.py): it took 4 runs (436 316 252 201 on 32 MiB)
+    when the value was checked only by scaling the failure's memory, as 20 MiB segments, not the bytes,
+    run out there."""
     from cuda_magic.devices.simulated import SimulatedDevice
 
     monkeypatch.setattr(SimulatedDevice, "default_allocator", allocator)
@@ -107,10 +108,11 @@ def test_a_generate_retry_lands_within_15_percent(tip, allocator, monkeypatch):
     maximum = largest(tip, GENERATE_CELL, GENERATE_LARGEST, guard=f"-l {GENERATE_CAP}")
     run_ok(tip, f"reset()\nbs = {2 * maximum}")
     report = guarded(tip, f"-l {GENERATE_CAP} -r bs", GENERATE_CELL)
-    runs = 2 if allocator == "plain" else 4
-    assert len(report.attempts) <= runs and 0.85 * maximum <= report.final_value <= maximum, (
+    assert len(report.attempts) <= 2 and 0.85 * maximum <= report.final_value <= maximum, (
         [a.value for a in report.attempts], maximum)
     assert "measured" in report.attempts[1].reason
+    if allocator == "caching":
+        assert "replayed on the caching allocator" in report.attempts[1].reason, report.attempts[1].reason
 
 
 def test_generate_under_oomguard_on_never_says_delete_the_model(tip):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from cuda_magic.devices.errors import oom_kind
 from cuda_magic.recover.progress import ModelCost
+from cuda_magic.recover.probe_timeline import reserves_segments, timeline_of
 
 SLICE = 32
 MIN_ROWS = 1
@@ -57,11 +58,24 @@ class GenerationReplay:
             break
         else:
             return None
+        (small, small_events), (large, large_events) = small, large
         per_row = (large - small) / rows
-        return ModelCost(rows=self.rows, lines=((small - per_row * rows, per_row),), probe_rows=(rows, 2 * rows),
-                         seconds=time.perf_counter() - t0, whole_call=True)
+        timeline, allocator = (), None
+        if small_events is not None and large_events is not None:
+            from cuda_magic.devices.allocator_replay import timeline_lines
 
-    def _peak(self, rows: int, meter, torch) -> int:
+            # the call's allocations and frees, a line in the rows each: -r and --search replay them at a
+            # candidate on the allocator model (on a 32 MiB device a 20 MiB segment, not the bytes, is
+            # what runs out: the bytes said 377 rows fit where 218 do)
+            timeline = timeline_lines(small_events, large_events, rows) or ()
+            allocator = meter.device.allocator_copy if timeline else None
+        return ModelCost(rows=self.rows, lines=((small - per_row * rows, per_row),), probe_rows=(rows, 2 * rows),
+                         seconds=time.perf_counter() - t0, whole_call=True, timeline=timeline,
+                         allocator=allocator, segments=reserves_segments(meter))
+
+    def _peak(self, rows: int, meter, torch) -> tuple[int, object]:
+        """The call's peak on `rows` rows above what was allocated before it, and its allocations and frees
+        (devices/allocator_replay.Timeline) where the device models torch's caching allocator, else None."""
         def cut(v):
             if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self.rows:
                 return v[:rows]
@@ -70,10 +84,15 @@ class GenerationReplay:
         kwargs = {k: cut(v) for k, v in self.kwargs.items()}
         meter.reset_peak()
         before = meter.allocated() or 0
-        with torch.no_grad(), _quiet_transformers():
-            out = self.root.generate(self.prompts[:rows], **kwargs)
-        del out
-        return (meter.peak() or 0) - before
+        recording = timeline_of(meter)
+        try:
+            with torch.no_grad(), _quiet_transformers():
+                out = self.root.generate(self.prompts[:rows], **kwargs)
+            del out
+        finally:
+            if recording is not None:
+                meter.device.detach_recorder(recording)
+        return (meter.peak() or 0) - before, recording
 
 
 class _quiet_transformers:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from cuda_magic.devices.probe import loaded_torch
 from cuda_magic.devices.errors import oom_kind
+from cuda_magic.recover.probe_timeline import reserves_segments, timeline_of
 from cuda_magic.recover.progress import cache_bytes_per_token, generation_growth, ModelCost, Progress, flat_items, module_calls, progress_of
 
 SLICE = 32         # the smaller slice is this fraction of the failing batch's rows; the larger twice it
@@ -118,7 +119,7 @@ class Replay:
                          entry_samples=entry_samples,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
                          probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0,
-                         timeline=timeline, allocator=allocator, segments=_reserves_segments(meter),
+                         timeline=timeline, allocator=allocator, segments=reserves_segments(meter),
                          backward_event=backward_event,
                          param_bytes=tuple(p.numel() * p.element_size() for p in self.root.parameters()
                                            if p.requires_grad))
@@ -136,7 +137,7 @@ class Replay:
 
         args, kwargs = _sliced(self.args, rows, self.rows, torch), _sliced(self.kwargs, rows, self.rows, torch)
         handle = self.failing.register_forward_pre_hook(at_entry)
-        recording = _timeline_of(meter)
+        recording = timeline_of(meter)
         try:
             for p in params:
                 p.grad = None          # as after zero_grad(): the pass allocates the gradients
@@ -182,25 +183,6 @@ class Pass:
     entry_samples: list = field(default_factory=list)   # ... the number of samples taken by then
     timeline: object = None     # its allocations and frees (devices/allocator_replay.Timeline), where the
                                 # device reserves as torch's caching allocator
-
-
-def _reserves_segments(meter) -> bool:
-    """Whether the metered device reserves as torch's caching allocator does (its out-of-memory message then
-    names the segment it could not reserve): a simulated device with its model of it, or a CUDA GPU."""
-    return getattr(getattr(meter, "device", None), "model", None) is not None or meter.key.startswith("cuda")
-
-
-def _timeline_of(meter):
-    """A recorder of the pass's allocations and frees, attached to the metered device where it models torch's
-    caching allocator (a simulated device); else None."""
-    device = getattr(meter, "device", None)
-    if getattr(device, "model", None) is None or not hasattr(device, "allocator_copy"):
-        return None
-    from cuda_magic.devices.allocator_replay import Timeline
-
-    recording = Timeline(device)
-    device.attach_recorder(recording)
-    return recording
 
 
 def envelope(lines, rows: int, points: int = 64) -> list:

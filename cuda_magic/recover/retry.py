@@ -305,6 +305,12 @@ class BatchSearch:
         self.allocator = allocator
         self._measured_values: set[int] = set()
         self._bounds: dict = {}           # _measured_bound's answers, by the failure and the bytes available
+        # --search on a device that models torch's caching allocator: each run's allocations and frees are
+        # recorded (recover/probe_timeline.py), and two that fitted replay the cell at a candidate value
+        self._recording = None
+        self._fitted_runs: dict[int, object] = {}
+        self._failed_runs: dict[int, object] = {}
+        self._live: list[int] = []        # the storages the last run left bound (a probe, until rolled back)
         # --exact: only these values (the divisors of the effective batch) are tried
         self.allowed = sorted(set(allowed)) if allowed is not None else None
         if self.allowed is not None and start not in self.allowed:
@@ -326,6 +332,12 @@ class BatchSearch:
         if capacity is not None and capacity > 0:
             self.capacity = capacity
         reason, self._pending = self.reason, None
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.stop()
+            if recording.complete:
+                (self._fitted_runs if ok else self._failed_runs)[value] = recording
+            self._live = recording.live if ok else []
         self.history.append(Measured(value, bool(ok), reason, peak, requested, baseline,
                                      allocated_at_failure, self.capacity, progress))
         self._check_independent()
@@ -432,6 +444,10 @@ class BatchSearch:
     # choosing ----------------------------------------------------------------------------------
     def _propose(self, value: int, reason: str) -> int:
         self._pending, self.reason = value, reason
+        if self.search:
+            from cuda_magic.recover.probe_timeline import start_recording
+
+            self._recording = start_recording(self.allocator, self)
         return value
 
     def _choose(self) -> tuple[int | None, str]:
@@ -559,6 +575,12 @@ class BatchSearch:
                 served = self._bounds.get((id(m), available, "served"))
                 if served and (modeled is None or served < modeled):
                     modeled = served
+            if modeled is None:
+                # no failure measured (it came outside any module call: the loss's backward pass): the
+                # cell's own runs that fitted, their allocations replayed at a value on the allocator
+                modeled = self._probes_served(best, hi)
+                if modeled is not None and modeled < bound:
+                    bound = modeled
             # the partner is the nearest smaller value whose peak differs (rounding makes plateaus)
             lower = [m for m in fitted if m.value < top.value and m.own_peak < top.own_peak]
             slope = None
@@ -579,6 +601,10 @@ class BatchSearch:
                 predicted, fitted_line = modeled, False
                 how = (f"the largest value whose measured pass the caching allocator's model serves "
                        f"({modeled})")
+            elif modeled is not None and predicted is not None and bound == modeled < predicted:
+                # the bytes say more; the allocator model bounds it (the value is the same: the bound's)
+                how = (f"{how}: {int(predicted)}, at most {modeled}, the largest value the caching allocator's "
+                       "model serves")
         tried = {m.value for m in self.history}
         if (modeled is not None and best < modeled < hi and modeled not in tried and best >= self.goal * bound
                 and len(self.history) < self.max_attempts):
@@ -618,6 +644,40 @@ class BatchSearch:
         return value, f"bisecting between {best} (fits) and {hi} (out of memory)"
 
     # measurements --------------------------------------------------------------------------------
+    def _as_next_run(self, m: Measured) -> Measured:
+        """`m` with its measured model asking the allocator as the next run will find it: the last probe's
+        tensors, still bound when the policy is asked, given back and the cache emptied, as the roll-back
+        does (recover/probe_timeline.py); asked as it was (the probe's tensors and the cache in it), the
+        MLP's pass was served up to 1605 where 1706 fits."""
+        from dataclasses import replace
+
+        from cuda_magic.recover.probe_timeline import next_run_allocator
+
+        cost = m.progress.cost
+        allocator = next_run_allocator(cost.allocator, self._live) if cost.allocator is not None else None
+        if allocator is None:
+            return m
+        return replace(m, progress=replace(m.progress, cost=replace(cost, allocator=allocator)))
+
+    def _probes_served(self, best: int, hi: int) -> int | None:
+        """--search where no failure was measured: the largest value in (best, hi) at which the runs that
+        fitted, their allocations and frees recorded and matched event for event into lines in the value
+        (recover/probe_timeline.py), replayed on a copy of the device's caching allocator as it will be
+        when the next run starts, are served (recover/largest.scan: not taken to be monotone); `best`
+        where none above it is; None where there is nothing to replay (no allocator model, a GPU)."""
+        from cuda_magic.recover.largest import scan
+        from cuda_magic.recover.probe_timeline import replay_verdict
+
+        key = ("probes", len(self.history))
+        if key not in self._bounds:
+            fits = replay_verdict(self._fitted_runs, self.allocator, self._live, self._failed_runs)
+            found = None
+            if fits is not None and hi - best > 1:
+                largest, seen = scan(fits, best + 1, hi - 1)
+                found = (largest or best) if seen.verdicts else None
+            self._bounds[key] = found
+        return self._bounds[key]
+
     def _available(self) -> int | None:
         """Bytes the cell may take: capacity less the latest baseline, lowered by what failed below it."""
         if self.capacity is None:
@@ -644,7 +704,7 @@ class BatchSearch:
             return None
         key = (id(m), available)          # asked again at each probe up: scanned once
         if key not in self._bounds:
-            most, served = m.fitting(available, self.accumulating)
+            most, served = self._as_next_run(m).fitting(available, self.accumulating)
             self._bounds[key] = most if served is None else served or None
             self._bounds[(*key, "served")] = served
         return self._bounds[key]
