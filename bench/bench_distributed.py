@@ -125,18 +125,24 @@ def forward_peak(b: int) -> int:
         return dev.peak_reserved if ALLOCATOR == "caching" else dev.peak
 
 
-def main() -> None:
+def main(argv=None) -> None:
     global ALLOCATOR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=10.0, help="the process group's timeout, seconds")
     parser.add_argument("--plain", action="store_true", help="the simulated devices count the tensors' bytes")
-    args = parser.parse_args()
+    parser.add_argument("--only", nargs="+", choices=[m.lstrip("-") for m in METHODS],
+                        help="run only these methods (r: -r, search: --search, accelerate)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit status 1 unless every cuda_magic method ends every rank at one value within "
+                             "15%% of the largest that fits")
+    args = parser.parse_args(argv)
     ALLOCATOR = "plain" if args.plain else "caching"
     capacity = int(forward_peak(w.BATCH) * 0.7)
     best = largest_fitting(capacity)
-    rows = []
+    rows, found_of = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, method in enumerate(METHODS):
+        chosen = [m for m in METHODS if args.only is None or m.lstrip("-") in args.only]
+        for i, method in enumerate(chosen):
             t0 = time.monotonic()
             mp.start_processes(rank_main, args=(method, f"{tmp}/{i}-init", tmp, capacity, args.timeout,
                                                 ALLOCATOR), nprocs=2, start_method="spawn", join=True)
@@ -148,6 +154,7 @@ def main() -> None:
             values = {r.get("value") for r in res}
             found = values.pop() if len(values) == 1 and None not in values else None
             share = f"{found} ({100 * found / best:.1f}%)" if found else "-"
+            found_of[method] = found
             rows.append((method, ends, tried, share, best, f"{wall:.1f}", max(r["seconds"] for r in res), equal))
     print(f"`{' '.join([Path(sys.executable).name, *sys.argv])}` (2 processes, gloo, one rank out of memory in "
           f"the {PHASE} pass at {w.BATCH}, {ALLOCATOR} allocator, process group timeout {args.timeout:g} s, "
@@ -157,6 +164,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for method, ends, tried, share, fit, wall, seconds, equal in rows:
         print(f"| {method} | {ends} | {tried} | {share} | {fit} | {wall} | {seconds:.1f} | {equal} |")
+    short = [method for method, _, _, _, _, _, _, _ in rows if method != "accelerate"
+             and not (found_of[method] and found_of[method] >= 0.85 * best)]
+    if args.check and short:
+        sys.exit(f"not within 15% of the largest that fits ({best}): {', '.join(short)}")
 
 
 if __name__ == "__main__":
