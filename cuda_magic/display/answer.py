@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cuda_magic.display.blackbox_view import line_label
-from cuda_magic.display.elements import shorten
-from cuda_magic.display.layout import guard_title, point_words
+from cuda_magic.display.layout import guard_title, point_words, shorten
 from cuda_magic.units import format_bytes
 
 STEPS = 3                 # things to do shown unfolded: the first in full, the next ones as short lines

@@ -8,7 +8,8 @@ from html import escape
 from cuda_magic.display.chart import Chart, Marker, Series, sparkline, svg
 from cuda_magic.display.elements import (CAP_COLOR, CHART_BOX, CODE, COLORS, FAIL_COLOR, MUTED, PEAK_COLOR, box,
                                          html_table)
-from cuda_magic.display.elements import shorten, table
+from cuda_magic.display.elements import table
+from cuda_magic.display.layout import shorten
 from cuda_magic.paths import is_cell_top_level
 from cuda_magic.units import format_bytes
 

@@ -76,11 +76,6 @@ def html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = fr
 
 # ---- text -----------------------------------------------------------------------------------------
 
-def shorten(text: str, width: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
     widths = [len(h) for h in headers]
     for row in rows:

@@ -232,10 +232,15 @@ def reclaimed_words(report) -> str:
 ATTEMPT_CODE_WIDTH = 32     # the failing line's code in an attempt's row, at most
 
 
+def shorten(text: str, width: int) -> str:
+    """`text` on one line, cut to `width` characters with an ellipsis where it is longer."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def point_words(point, code_width: int) -> str:
     """Where a run ran out, from its FailurePoint: 'cell line 4 `y = f(x)`', 'cell line 4 `y = f(x)` inside
     attend', 'attend (model.py)'; '' where nothing is known."""
-    from cuda_magic.display.elements import shorten
     from cuda_magic.paths import is_cell_file
 
     if point is None:

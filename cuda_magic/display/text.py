@@ -18,7 +18,8 @@ from cuda_magic.display.layout import folded_graphs
 from cuda_magic.memory.kinds import IN_FAILING_OP, KIND_LABELS, UNSEEN
 from cuda_magic.display import answer as A
 from cuda_magic.display.blackbox_view import by_line_text, by_line_title, rows_shown, timeline_text
-from cuda_magic.display.elements import shorten, table, wrap_items
+from cuda_magic.display.elements import table, wrap_items
+from cuda_magic.display.layout import shorten
 from cuda_magic.units import format_bytes, format_duration
 
 BAR_SYMBOLS = {
