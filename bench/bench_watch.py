@@ -1,6 +1,6 @@
 """What `%gpumem --watch` adds to a trivial cell (`x = 1`), against the same cells without it.
 
-    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 9] [--names 10000]
+    .venv/bin/python bench/bench_watch.py [--cells 1000] [--rounds 9] [--names 10000] [--against TREE]
 
 A real IPython shell runs the cell with run_cell, in blocks of --cells cells, the variants interleaved
 round by round (each figure is the median over rounds of a block's time per cell). Modes: CPU only (the
@@ -10,11 +10,16 @@ where torch can use it. Variants: without --watch (the baseline); --watch with i
 (stdout redirected to io.StringIO: the line is formatted, printing costs nothing); --watch printed to a
 line-buffered /dev/null (one write per line, as on a terminal); and the hooks alone (the watcher's
 on_record set to None, an internal switch, to show what the display costs). Goal: at most 50 us added.
+
+--against TREE (another checkout of cuda_magic, e.g. main's) adds two rows per mode: that tree's watcher
+(its memory/watch.py with its devices/proc.py, and its display/show.py's show_watch), hooks only and the
+line printed to a sink, interleaved in the same rounds: a before/after pair under the same load.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import platform
@@ -65,17 +70,43 @@ VARIANTS = (   # (key, watch variant, stdout)
     ("hooks", "hooks", "sink"),
     ("off_devnull", "off", "devnull"),
 )
+OTHER_VARIANTS = (("other_hooks", "hooks", "sink"), ("other_sink", "display", "sink"))
 
 
-def measure_mode(shell, cells: int, rounds: int) -> dict[str, tuple[float, float]]:
-    wall = {k: [] for k, _, _ in VARIANTS}
-    cpu = {k: [] for k, _, _ in VARIANTS}
+def load_tree(tree: str):
+    """(CellWatcher, show_watch) of another checkout: its memory/watch.py reading through its own
+    devices/proc.py, and its display/show.py's show_watch; the rest is this tree's."""
+    def load(rel: str, name: str):
+        spec = importlib.util.spec_from_file_location(name, Path(tree) / "cuda_magic" / rel)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    proc = load("devices/proc.py", "bench_other_proc")
+    watch = load("memory/watch.py", "bench_other_watch")
+    watch.ProcReader = proc.ProcReader
+    return watch.CellWatcher, load("display/show.py", "bench_other_show").show_watch
+
+
+def measure_mode(shell, cells: int, rounds: int, other=None) -> dict[str, tuple[float, float]]:
+    variants = VARIANTS + (OTHER_VARIANTS if other is not None else ())
+    wall = {k: [] for k, _, _ in variants}
+    cpu = {k: [] for k, _, _ in variants}
     for _ in range(rounds):
-        for key, variant, target in VARIANTS:
-            set_watch(shell, variant)
+        for key, variant, target in variants:
+            watcher = None
+            if key.startswith("other_"):
+                set_watch(shell, "off")
+                watcher = other[0](shell, None if variant == "hooks" else other[1])
+                watcher.start()
+            else:
+                set_watch(shell, variant)
             with stdout_to(target):
                 shell.run_cell(CELL)          # a first cell outside the timing
                 w, c = run_block(shell, cells)
+            if watcher is not None:
+                watcher.stop()
             wall[key].append(w)
             cpu[key].append(c)
     set_watch(shell, "off")
@@ -101,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--names", type=int, default=10_000,
                         help="user names in the namespace for the rows that measure a grown notebook")
+    parser.add_argument("--against", metavar="TREE",
+                        help="another checkout of cuda_magic whose watcher is measured in the same rounds")
     args = parser.parse_args(argv)
     os.environ["CUDA_MAGIC_DISPLAY"] = "text"
 
@@ -109,19 +142,20 @@ def main(argv=None) -> int:
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "cuda_magic")
+    other = load_tree(args.against) if args.against else None
     results, skipped = {}, {}
-    results["CPU only"] = measure_mode(shell, args.cells, args.rounds)
+    results["CPU only"] = measure_mode(shell, args.cells, args.rounds, other)
     for i in range(args.names):          # a notebook that grew: a third of its names lists
         shell.user_ns[f"name_{i}"] = [i] if i % 3 == 0 else i
-    results[f"CPU only, {args.names:,} user names"] = measure_mode(shell, args.cells, args.rounds)
+    results[f"CPU only, {args.names:,} user names"] = measure_mode(shell, args.cells, args.rounds, other)
     for i in range(args.names):
         del shell.user_ns[f"name_{i}"]
     shell.run_line_magic("gpumem", "--simulate 1GiB -q")
-    results["simulated device (`--simulate 1GiB`)"] = measure_mode(shell, args.cells, args.rounds)
+    results["simulated device (`--simulate 1GiB`)"] = measure_mode(shell, args.cells, args.rounds, other)
     shell.run_line_magic("gpumem", "--simulate off -q")
     why = cuda_ready()
     if why is None:
-        results["CUDA"] = measure_mode(shell, args.cells, args.rounds)
+        results["CUDA"] = measure_mode(shell, args.cells, args.rounds, other)
     else:
         skipped["CUDA"] = why
 
@@ -137,9 +171,10 @@ def main(argv=None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     labels = {"off": "no --watch (baseline)", "sink": "--watch, line printed to a sink",
               "devnull": "--watch, line printed to /dev/null (line-buffered)",
-              "hooks": "--watch hooks only (no display)"}
+              "hooks": "--watch hooks only (no display)",
+              "other_hooks": f"{args.against}'s --watch, hooks only", "other_sink": f"{args.against}'s --watch, line printed to a sink"}
     for mode, res in results.items():
-        for key in ("off", "hooks", "sink", "devnull"):
+        for key in ("off", "hooks", "sink", "devnull", *(k for k, _, _ in OTHER_VARIANTS if k in res)):
             base = res["off_devnull" if key == "devnull" else "off"]
             wall, cpu = res[key]
             if key == "off":

@@ -66,3 +66,88 @@ def test_the_cpu_meter_reads_the_runs_peak():
     _touch(64 * MiB)
     assert meter.peak() >= before + 60 * MiB
     assert meter.peak() >= meter.allocated()
+
+
+
+class _Counted:
+    """The reader's system calls, counted (each still made)."""
+
+    def __init__(self, monkeypatch, reader):
+        from cuda_magic.devices import proc
+
+        self.calls = []
+        for name, real in (("_pread", os.pread), ("_write", os.write), ("_getrusage", proc.resource.getrusage)):
+            monkeypatch.setattr(proc, name, self._counting(name.strip("_"), real))
+        status = reader._status
+        monkeypatch.setattr(reader, "_status", lambda: self.calls.append("status") or status())
+
+    def _counting(self, name, real):
+        def call(*args):
+            self.calls.append(name)
+            return real(*args)
+        return call
+
+
+def test_a_watched_cell_costs_four_system_calls_its_peak_high_or_not(monkeypatch):
+    """start_cell: the reset and statm; the peak: statm and getrusage, whose mark is VmHWM once it is
+    above the lowest mark read (the process's own record is at most that). No /proc/self/status."""
+    from cuda_magic.devices import proc
+
+    reader = ProcReader()
+    try:
+        reader.start_cell()
+        reader.end_cell()                               # a first reading: the lowest mark so far
+        record = proc.resource.getrusage(proc.resource.RUSAGE_SELF).ru_maxrss * 1024
+        if record > reader.rss() + 64 * MiB:
+            pytest.skip("this process's record from before its exec is above its RSS: the peak of a "
+                        "cell below it comes from /proc/self/status")
+        counted = _Counted(monkeypatch, reader)
+        start = reader.start_cell()
+        rss, peak = reader.end_cell()                   # a trivial cell
+        assert counted.calls == ["write", "pread", "pread", "getrusage"]
+        assert start > 0 and peak >= rss > 0
+        assert abs(peak - _status_peak()) <= 1 * MiB    # the kernel's own figure
+        counted.calls.clear()
+        start = reader.start_cell()
+        _touch(96 * MiB)                                # a peak far above RSS
+        rss, peak = reader.end_cell()
+        assert counted.calls == ["write", "pread", "pread", "getrusage"]
+        assert peak >= start + 90 * MiB and rss < start + 48 * MiB
+        assert abs(peak - _status_peak()) <= 1 * MiB
+    finally:
+        reader.close()
+
+
+_AFTER_EXEC = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from cuda_magic.devices.proc import ProcReader
+reader = ProcReader()
+start = reader.start_cell()
+rss, peak = reader.end_cell()
+with open("/proc/self/status") as fh:
+    hwm = int(next(x for x in fh if x.startswith("VmHWM:")).split()[1]) * 1024
+print(json.dumps({"start": start, "rss": rss, "peak": peak, "hwm": hwm,
+                  "record": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_the_record_of_the_image_replaced_at_exec_is_not_taken_for_a_peak(tmp_path):
+    """A process that held 200 MiB execs Python (as a large Jupyter server starts a kernel): getrusage
+    reports those 200 MiB for the whole life of the new image (fs/exec.c, exec_mmap). The peak of a
+    cell there is VmHWM, not that record."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    parent = ("import os, sys\nb = bytearray(200 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+              f"os.execv(sys.executable, [sys.executable, '-c', {_AFTER_EXEC!r}, {root!r}])\n")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["record"] >= got["start"] + 150 * MiB    # the old image's mark, above this one's RSS
+    assert got["peak"] < got["start"] + 48 * MiB        # the cell's peak is not that mark
+    assert abs(got["peak"] - got["hwm"]) <= 1 * MiB
+    assert got["peak"] >= got["rss"]

@@ -9,6 +9,12 @@ try:
 except ImportError:   # Windows
     resource = None
 
+# bound once: `--watch` reads them twice a cell, and a module attribute looked up each time costs more than
+# the system call's own Python wrapper
+_pread, _write = os.pread, os.write
+if resource is not None:
+    _getrusage, _SELF = resource.getrusage, resource.RUSAGE_SELF
+
 
 def meminfo() -> dict[str, int]:
     values = {}
@@ -47,26 +53,32 @@ def status_bytes(text: bytes, field: bytes) -> int | None:
 
 
 
-_PEAK_SLACK = 256 * 1024   # bytes: how far getrusage's peak may sit above RSS right after a reset
+_PEAK_SLACK = 256 * 1024   # bytes: how far getrusage's mark may sit above the RSS figures and be taken
 _resets = 0                # resets of the process's peak by any reader: a reader trusts getrusage only
                            # for readings after its own reset
+_mark_floor = None         # bytes: the lowest getrusage mark read in this process (see ProcReader)
 
 
 class ProcReader:
     """Reads this process's memory through descriptors opened once.
 
     The peak: /proc/self/status (VmHWM) costs about 10-20 us to generate; /proc/self/statm (RSS) and
-    getrusage (the same high-water mark) a few each. getrusage's ru_maxrss is the larger of the kernel's
-    VmHWM and the mark exited threads may have left in the process's record, so after a reset it is the
-    peak since that reset unless that record was already higher.
-    `start_cell` resets the peak and checks that record; until another reset (by any reader), the peak
-    is then read from getrusage, else from /proc/self/status.
+    getrusage a few each. getrusage's ru_maxrss is the larger of VmHWM and the process's own record
+    (signal->maxrss: kernel/sys.c, getrusage), which holds the mark of the image this process replaced at
+    exec (fs/exec.c, exec_mmap; a Jupyter kernel started by a large server carries the server's) and
+    changes again only when the whole process exits (kernel/exit.c, do_exit): a constant while we run.
+    So a mark above the lowest mark ever read here (`_mark_floor`, at least that record) is VmHWM
+    itself; a mark within `_PEAK_SLACK` of the RSS at the reset or now is the peak to the slack (the peak
+    since the reset lies between those and the mark); anything else is read from /proc/self/status.
+    `start_cell` resets the peak and reads RSS (two system calls); until another reset (by any reader)
+    the peak then costs two more (statm, getrusage), and a read of /proc/self/status only where the mark
+    may be that record.
     """
 
     def __init__(self):
         self.status_fd = self.clear_fd = self.statm_fd = self.meminfo_fd = None
         self.page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._trusted = None        # the reset count at which getrusage's peak was found to be the peak
+        self._since = None          # (the reset count after this reader's reset, RSS right after it)
         try:
             self.status_fd = os.open("/proc/self/status", os.O_RDONLY)
             self.statm_fd = os.open("/proc/self/statm", os.O_RDONLY)
@@ -93,11 +105,19 @@ class ProcReader:
         return status_bytes(text, b"\nVmRSS:"), status_bytes(text, b"\nVmHWM:")
 
     def rss_and_peak(self) -> tuple[int | None, int | None]:
-        """(resident bytes now, resident peak since the last reset)."""
-        if self._trusted != _resets:
+        """(resident bytes now, resident peak since the last reset): statm's RSS and getrusage's mark
+        where that mark is the peak (see the class), else one read of /proc/self/status."""
+        global _mark_floor
+        since = self._since
+        if since is None or since[0] != _resets or self.statm_fd is None:
             return self._status()
-        rss = self.rss()        # (the kernel's RSS counters lag a little: the peak is kept at least RSS)
-        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        rss = int(_pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
+        peak = _getrusage(_SELF).ru_maxrss * 1024
+        if _mark_floor is None or peak < _mark_floor:
+            _mark_floor = peak
+        if peak == _mark_floor and peak > (rss if rss > since[1] else since[1]) + _PEAK_SLACK:
+            return self._status()          # the exec'd image's record, or this run's peak: VmHWM says
+        return rss, peak if peak > rss else rss   # (the kernel's RSS counters lag a little: at least RSS)
 
     def memory(self) -> tuple[int | None, int | None]:
         """(MemTotal, MemAvailable) in bytes: two fields found in one read of /proc/meminfo, a fifth of the
@@ -115,15 +135,20 @@ class ProcReader:
         return int(os.pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
 
     def start_cell(self) -> int | None:
-        """Reset the peak and return the resident bytes now; decide how the peak is read until the next
-        reset (getrusage where the exited threads' record is not above RSS now, else /proc/self/status).
-        A thread exiting after the reset records a mark from after it: the figure stays this peak."""
-        reset = self.reset_peak()
-        rss = self.rss()
-        self._trusted = None
-        if (reset and rss is not None and resource is not None
-                and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= rss + _PEAK_SLACK):
-            self._trusted = _resets
+        """Reset the peak and return the resident bytes now (two system calls: the reset, statm); the peak
+        is read from then on as the class says."""
+        global _resets
+        self._since = None
+        if self.clear_fd is None or self.statm_fd is None or resource is None:
+            self.reset_peak()
+            return self.rss()
+        try:
+            _write(self.clear_fd, b"5")
+        except OSError:
+            return self.rss()
+        _resets += 1
+        rss = int(_pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
+        self._since = (_resets, rss)
         return rss
 
     def end_cell(self) -> tuple[int | None, int | None]:

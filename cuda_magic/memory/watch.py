@@ -9,7 +9,7 @@ approximate. No polling thread.
 from __future__ import annotations
 
 import sys
-import time
+from time import perf_counter
 
 from cuda_magic.devices.errors import is_oom
 from cuda_magic.devices.gauge_reader import gauge_reads, peak_reset
@@ -87,7 +87,7 @@ class CellWatcher:
                 if gauge_reads("cpu"):     # the peak costs a read of /proc/self/status: only for a gauge
                     peak_reset("cpu", self._proc.rss_and_peak()[1])
                 before = self._proc.start_cell()
-            self._start = (kind, dev, before, time.perf_counter())
+            self._start = (kind, dev, before, perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on
             self._start = None
             self._note(exc)
@@ -97,7 +97,7 @@ class CellWatcher:
         if start is None:
             return
         kind, dev, before, t0 = start
-        duration = time.perf_counter() - t0
+        duration = perf_counter() - t0
         try:
             if kind == "sim":
                 after, peak, exact, key = dev.allocated, dev.peak, True, dev.key
