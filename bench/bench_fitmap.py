@@ -111,10 +111,11 @@ def save(path) -> None:
 
 
 def fresh(ip, value: int) -> None:
-    """bench_retry_training.fresh, then the cache emptied: its `reset()` drops the previous run's names
-    (x, loss, ...) after its release, so what they held stayed cached at the next run's start (392 and
-    20 MiB segments on the 2 GiB MLP), and whether a value fitted depended on the run before it (97-98 fit
-    after 96, not as the first run); a retry's runs start with the cache emptied (recover/retrying.py)."""
+    """bench_retry_training.fresh, then the cache emptied: its `reset()` (the optimizer's state reloaded,
+    a gc pass) runs after its release, so what the previous run left and reset() freed stayed cached at the
+    next run's start (a 392 and a 20 MiB segment on the 2 GiB MLP), and whether a value fitted depended on
+    the run before it (97-98 fit after 96, not as the first run); a retry's runs start with the cache
+    emptied (recover/retrying.py)."""
     from cuda_magic import release
 
     brt.fresh(ip, value)

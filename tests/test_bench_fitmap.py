@@ -1,6 +1,6 @@
 """bench/bench_fitmap.py's start state: every run of a fit map and every method starts with the simulated
 device's cache emptied, as a retry's runs do (recover/retrying.py's clean-up). bench_retry_training.fresh
-empties it before its `reset()` drops the previous run's names and optimizer state, so what they held
+empties it before its `reset()` (the optimizer's state reloaded, a gc pass), so what that freed
 stayed cached at the next run's start and whether a value fitted depended on the run before it (the 2 GiB
 MLP: 97 and 98 fitted after 96, ran out as the first run; bench/README.md)."""
 import os
