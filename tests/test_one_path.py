@@ -63,5 +63,5 @@ def test_search_probes_are_marked_with_their_durations(tip):
     probes = [a for a in report.attempts if a.probe]
     assert probes and all(a.outcome == "ok" and a.duration > 0 for a in probes)
     text = str(report)
-    assert text.count(", probe") == len(probes)
+    assert text.count("fitted, a probe (rolled back)") == len(probes)
     assert report.probe_time == sum(a.duration for a in probes)
