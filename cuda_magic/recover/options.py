@@ -95,9 +95,9 @@ class AskedOptions:
             return None
         floor = self.floor_value()
         if self.api:
+            self.check_arguments(values, function)
             for name in (self.retry, self.accumulate):
                 if name is not None:
-                    self.check_arguments(values, function)
                     if not is_positive_int(values[name]):
                         raise OptionError(f"{name} must be a positive int to be retried, not {values[name]!r}")
             if values[self.retry] < floor:
