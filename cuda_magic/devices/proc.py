@@ -92,7 +92,7 @@ class ProcReader:
         if self.clear_fd is None:
             return False
         try:
-            os.write(self.clear_fd, b"5")
+            _write(self.clear_fd, b"5")
         except OSError:
             return False
         _resets += 1
@@ -111,7 +111,7 @@ class ProcReader:
         since = self._since
         if since is None or since[0] != _resets or self.statm_fd is None:
             return self._status()
-        rss = int(_pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
+        rss = self.rss()
         peak = _getrusage(_SELF).ru_maxrss * 1024
         if _mark_floor is None or peak < _mark_floor:
             _mark_floor = peak
@@ -132,23 +132,16 @@ class ProcReader:
         """Resident bytes now, from /proc/self/statm (its second field, in pages)."""
         if self.statm_fd is None:
             return self._status()[0]
-        return int(os.pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
+        return int(_pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
 
     def start_cell(self) -> int | None:
         """Reset the peak and return the resident bytes now (two system calls: the reset, statm); the peak
         is read from then on as the class says."""
-        global _resets
         self._since = None
-        if self.clear_fd is None or self.statm_fd is None or resource is None:
-            self.reset_peak()
-            return self.rss()
-        try:
-            _write(self.clear_fd, b"5")
-        except OSError:
-            return self.rss()
-        _resets += 1
-        rss = int(_pread(self.statm_fd, 128, 0).split()[1]) * self.page_size
-        self._since = (_resets, rss)
+        reset = self.reset_peak()
+        rss = self.rss()
+        if reset and self.statm_fd is not None and resource is not None:
+            self._since = (_resets, rss)
         return rss
 
     def end_cell(self) -> tuple[int | None, int | None]:
