@@ -14,7 +14,7 @@ except ImportError:   # Windows
 _pread, _write = os.pread, os.write
 if resource is not None:
     # the peak a ProcReader reads: ru_maxrss is the process's for RUSAGE_THREAD too (the larger of the
-    # process's record and its memory's high-water mark: kernel/sys.c, k_getrusage), without the walk over
+    # process's record and its memory's high-water mark: kernel/sys.c, getrusage), without the walk over
     # every thread's times that RUSAGE_SELF makes (about 1 us less a call here, 2 us after a cell)
     _getrusage = resource.getrusage
     _SELF = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
