@@ -17,7 +17,7 @@ if resource is not None:
     # process's record and its memory's high-water mark: kernel/sys.c, getrusage), without the walk over
     # every thread's times that RUSAGE_SELF makes (about 1 us less a call here, 2 us after a cell)
     _getrusage = resource.getrusage
-    _SELF = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    _WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 def meminfo() -> dict[str, int]:
@@ -112,11 +112,11 @@ class ProcReader:
         """(resident bytes now, resident peak since the last reset): statm's RSS and getrusage's mark
         where that mark is the peak (see the class), else one read of /proc/self/status."""
         global _mark_floor
-        since, statm_fd = self._since, self.statm_fd
-        if since is None or since[0] != _resets or statm_fd is None:
+        since = self._since
+        if since is None or since[0] != _resets or self.statm_fd is None:
             return self._status()
-        rss = int(_pread(statm_fd, 128, 0).split()[1]) * self.page_size      # self.rss(), inline
-        peak = _getrusage(_SELF).ru_maxrss * 1024
+        rss = self.rss()
+        peak = _getrusage(_WHO).ru_maxrss * 1024
         if _mark_floor is None or peak < _mark_floor:
             _mark_floor = peak
         if peak == _mark_floor and peak > (rss if rss > since[1] else since[1]) + _PEAK_SLACK:
@@ -141,19 +141,11 @@ class ProcReader:
     def start_cell(self) -> int | None:
         """Reset the peak and return the resident bytes now (two system calls: the reset, statm); the peak
         is read from then on as the class says."""
-        global _resets
         self._since = None
-        clear_fd, statm_fd = self.clear_fd, self.statm_fd
-        if clear_fd is None or statm_fd is None or resource is None:
-            self.reset_peak()
-            return self.rss()
-        try:                                     # reset_peak() and rss(), inline: once a cell under --watch
-            _write(clear_fd, b"5")
-        except OSError:
-            return self.rss()
-        _resets += 1
-        rss = int(_pread(statm_fd, 128, 0).split()[1]) * self.page_size
-        self._since = (_resets, rss)
+        reset = self.reset_peak()
+        rss = self.rss()
+        if reset and self.statm_fd is not None and resource is not None:
+            self._since = (_resets, rss)
         return rss
 
     def end_cell(self) -> tuple[int | None, int | None]:
