@@ -92,11 +92,17 @@ def format_bytes(n: int | float | None, signed: bool = False) -> str:
     n = abs(n)
     if n < 1024:
         return f"{sign}{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "PiB":
-            return f"{sign}{n:.2f} {unit}"
-    raise AssertionError("unreachable")
+    # the unit found by comparison, one division (by a power of two: the same float as dividing by 1024
+    # step by step); printed after every cell under --watch
+    if n < 1 << 20:
+        return f"{sign}{n / 1024.0:.2f} KiB"
+    if n < 1 << 30:
+        return f"{sign}{n / 1048576.0:.2f} MiB"
+    if n < 1 << 40:
+        return f"{sign}{n / 1073741824.0:.2f} GiB"
+    if n < 1 << 50:
+        return f"{sign}{n / 1099511627776.0:.2f} TiB"
+    return f"{sign}{n / 1125899906842624.0:.2f} PiB"
 
 
 def format_duration(seconds: float) -> str:

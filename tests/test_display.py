@@ -235,6 +235,30 @@ def test_watch_line_and_history():
     assert "--watch" in T.history_text([])
 
 
+def test_the_watch_line_is_written_in_one_write(monkeypatch):
+    """print() writes a line and its newline apart; IPython 9 passes each write of a cell's output through
+    its history's tee (InteractiveShell._tee), so the line is written once, newline included."""
+    import sys
+
+    from cuda_magic.display.show import show_watch
+
+    class Counted:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return len(text)
+
+    first, _ = cell_records()
+    out = Counted()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert show_watch(first, form="text") is None
+    assert out.writes == [L.watch_line(first) + "\n"]
+    monkeypatch.setattr(sys, "stdout", None)          # pythonw, a closed console: nothing to print to
+    assert show_watch(first, form="text") is None
+
+
 def test_diff_text():
     before = snapshot(top=10)
     after = snapshot(top=10)

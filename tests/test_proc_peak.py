@@ -151,3 +151,22 @@ def test_the_record_of_the_image_replaced_at_exec_is_not_taken_for_a_peak(tmp_pa
     assert got["peak"] < got["start"] + 48 * MiB        # the cell's peak is not that mark
     assert abs(got["peak"] - got["hwm"]) <= 1 * MiB
     assert got["peak"] >= got["rss"]
+
+
+def test_a_peak_reached_in_another_thread_is_the_cells_peak():
+    """The peak is read with getrusage(RUSAGE_THREAD), whose ru_maxrss is the process's (its record and its
+    memory's high-water mark, kernel/sys.c k_getrusage), not the calling thread's: memory a DataLoader
+    thread or a gauge's thread made resident counts."""
+    import threading
+
+    reader = ProcReader()
+    try:
+        start = reader.start_cell()
+        worker = threading.Thread(target=_touch, args=(96 * MiB,))
+        worker.start()
+        worker.join()
+        rss, peak = reader.end_cell()
+        assert peak >= start + 90 * MiB and rss < start + 48 * MiB
+        assert abs(peak - _status_peak()) <= 1 * MiB
+    finally:
+        reader.close()

@@ -31,12 +31,16 @@ _readers: weakref.WeakSet = weakref.WeakSet()     # the GaugeReaders alive, for 
 
 def gauge_reads(key: str) -> bool:
     """Whether a gauge reads device `key` now: only then is its peak worth reading before a reset."""
-    return len(_readers) > 0 and any(reader.key == key for reader in list(_readers))
+    # `.data`, the set of weak references under the WeakSet: empty means no gauge, asked without the
+    # Python-level len() and iteration of a WeakSet (this runs twice a cell under --watch)
+    return bool(_readers.data) and any(reader.key == key for reader in list(_readers))
 
 
 def peak_reset(key: str, peak: int | None) -> None:
     """Call before resetting the peak counter of device `key`: the gauges reading it keep `peak` (the
     counter's figure now). Cheap where no gauge is on; never raises."""
+    if not _readers.data:
+        return
     for reader in list(_readers):
         if reader.key == key:
             reader.keep_peak(peak, read_before=True)

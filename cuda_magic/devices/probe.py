@@ -17,11 +17,13 @@ def loaded_torch():
     return sys.modules.get("torch")
 
 
-def cuda_started() -> bool:
-    """Whether torch has initialised CUDA in this process (so its counters can be read freely)."""
-    torch = loaded_torch()
+def cuda_started(torch=None) -> bool:
+    """Whether torch has initialised CUDA in this process (so its counters can be read freely). `torch`:
+    the loaded module where the caller has it (`--watch` asks after every cell)."""
     if torch is None:
-        return False
+        torch = loaded_torch()
+        if torch is None:
+            return False
     try:
         return bool(torch.cuda.is_initialized())
     except Exception:  # a torch build without CUDA support at all
@@ -50,10 +52,11 @@ def mps_available() -> bool:
     return _mps
 
 
-def xpu_started() -> bool:
-    """Whether torch has initialised an Intel XPU (so its counters can be read freely)."""
-    xpu = getattr(loaded_torch(), "xpu", None)
-    return xpu is not None and bool(getattr(xpu, "is_initialized", lambda: False)())
+def xpu_started(torch=None) -> bool:
+    """Whether torch has initialised an Intel XPU (so its counters can be read freely). `torch`: the loaded
+    module where the caller has it."""
+    is_initialized = getattr(getattr(torch or loaded_torch(), "xpu", None), "is_initialized", None)
+    return is_initialized is not None and bool(is_initialized())
 
 
 def has_gpu() -> bool:

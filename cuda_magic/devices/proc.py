@@ -13,7 +13,11 @@ except ImportError:   # Windows
 # the system call's own Python wrapper
 _pread, _write = os.pread, os.write
 if resource is not None:
-    _getrusage, _SELF = resource.getrusage, resource.RUSAGE_SELF
+    # the peak a ProcReader reads: ru_maxrss is the process's for RUSAGE_THREAD too (the larger of the
+    # process's record and its memory's high-water mark: kernel/sys.c, getrusage), without the walk over
+    # every thread's times that RUSAGE_SELF makes (about 1 us less a call here, 2 us after a cell)
+    _getrusage = resource.getrusage
+    _WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 def meminfo() -> dict[str, int]:
@@ -112,7 +116,7 @@ class ProcReader:
         if since is None or since[0] != _resets or self.statm_fd is None:
             return self._status()
         rss = self.rss()
-        peak = _getrusage(_SELF).ru_maxrss * 1024
+        peak = _getrusage(_WHO).ru_maxrss * 1024
         if _mark_floor is None or peak < _mark_floor:
             _mark_floor = peak
         if peak == _mark_floor and peak > (rss if rss > since[1] else since[1]) + _PEAK_SLACK:

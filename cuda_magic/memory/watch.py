@@ -56,18 +56,23 @@ class CellWatcher:
         sim = active_device()
         if sim is not None:
             return "sim", sim
-        if cuda_started():
-            return "cuda", loaded_torch()
-        gpu = _gpu_meter()
-        if gpu is not None:
-            return gpu.device_type, gpu
-        return "cpu", None
+        return _gpu_now() or ("cpu", None)
 
+    # Both hooks run after every cell: each asks about the devices once, and the CPU's case (no GPU in
+    # use) comes first. bench/bench_watch.py measures them.
     def pre_run_cell(self, info=None) -> None:
         try:
-            kind, dev = self._device()
+            sim = active_device()         # self._device(), inline
+            kind, dev = ("sim", sim) if sim is not None else (_gpu_now() or ("cpu", None))
             # a live gauge reading the counter keeps the peak the reset takes away (gauge_reader)
-            if kind == "sim":
+            if kind == "cpu":
+                proc = self._proc
+                if proc is None:
+                    proc = self._proc = ProcReader()
+                if gauge_reads("cpu"):     # the peak costs a read of /proc/self/status: only for a gauge
+                    peak_reset("cpu", proc.rss_and_peak()[1])
+                before = proc.start_cell()
+            elif kind == "sim":
                 peak_reset(dev.key, dev.peak)
                 dev.reset_peak()
                 before = dev.allocated
@@ -76,17 +81,11 @@ class CellWatcher:
                 peak_reset(f"cuda:{i}", dev.cuda.max_memory_allocated(i))
                 dev.cuda.reset_peak_memory_stats(i)
                 before = dev.cuda.memory_allocated(i)
-            elif kind in ("xpu", "mps"):
+            else:                    # an XPU or MPS
                 if kind == "xpu":    # MPS: this meter's own figure, not the one a gauge reads
                     peak_reset(dev.key, dev.peak())
                 dev.reset_peak()
                 before = dev.allocated()
-            else:
-                if self._proc is None:
-                    self._proc = ProcReader()
-                if gauge_reads("cpu"):     # the peak costs a read of /proc/self/status: only for a gauge
-                    peak_reset("cpu", self._proc.rss_and_peak()[1])
-                before = self._proc.start_cell()
             self._start = (kind, dev, before, perf_counter())
         except Exception as exc:  # a hook must never raise: note it once and carry on
             self._start = None
@@ -101,28 +100,26 @@ class CellWatcher:
         try:
             if kind == "sim":
                 after, peak, exact, key = dev.allocated, dev.peak, True, dev.key
-            elif kind == "cuda" or cuda_started():
-                # a cell that starts CUDA is a CUDA cell: it began with nothing allocated there, and the
-                # peak counters count from CUDA's start, inside this cell
-                if kind != "cuda":
-                    kind, before = "cuda", 0
-                torch = sys.modules["torch"]
-                i = torch.cuda.current_device()
-                after = torch.cuda.memory_allocated(i)
-                peak, exact, key = torch.cuda.max_memory_allocated(i), True, f"cuda:{i}"
             else:
                 if kind == "cpu":
-                    gpu = _gpu_meter()
+                    # a cell that starts CUDA or an XPU, or imports torch on a Mac, is that device's cell:
+                    # it began with nothing there; the peak counters count from the device's start
+                    gpu = _gpu_now()
                     if gpu is not None:
-                        # a cell that starts an XPU, or imports torch on a Mac, is that device's cell: it
-                        # began with nothing there; an XPU's peak counter counts from its start
-                        kind, dev, before = gpu.device_type, gpu, 0
-                if kind in ("xpu", "mps"):
-                    after, peak, key = dev.allocated(), dev.peak(), dev.key
-                    exact = kind == "xpu"        # MPS: the higher figure read, approximate
-                else:
+                        (kind, dev), before = gpu, 0
+                elif kind != "cuda" and cuda_started():
+                    kind, before = "cuda", 0
+                if kind == "cpu":
                     after, peak = self._proc.end_cell()
                     exact, key = False, "cpu"
+                elif kind == "cuda":
+                    torch = sys.modules["torch"]
+                    i = torch.cuda.current_device()
+                    after = torch.cuda.memory_allocated(i)
+                    peak, exact, key = torch.cuda.max_memory_allocated(i), True, f"cuda:{i}"
+                else:
+                    after, peak, key = dev.allocated(), dev.peak(), dev.key
+                    exact = kind == "xpu"        # MPS: the higher figure read, approximate
             delta = (after - before) if after is not None and before is not None else None
             record = CellRecord(cell=_cell_number(self.shell, result, len(self.records) + 1),
                                 allocated_delta=delta, peak=peak, peak_exact=exact, duration=duration,
@@ -141,22 +138,25 @@ class CellWatcher:
             print(f"[gpumem --watch] could not read memory: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def _gpu_meter():
-    """The meter of the XPU torch has started (its allocator counters need torch 2.5+) or of Apple's MPS
-    where torch can use it; None for neither. Neither reads the process's resident memory, which on macOS
-    (no /proc) cannot be read per cell anyway."""
+def _gpu_now():
+    """('cuda', torch) once torch has started CUDA; for an XPU torch has started (its allocator counters
+    need torch 2.5+) or Apple's MPS where torch can use it, (its device type, its meter); else None (no GPU
+    in use, or torch not loaded). Neither meter reads the process's resident memory, which on macOS (no
+    /proc) cannot be read per cell anyway."""
     torch = loaded_torch()
     if torch is None:
         return None
+    if cuda_started(torch):
+        return "cuda", torch
     xpu = getattr(torch, "xpu", None)
-    if xpu_started() and hasattr(xpu, "max_memory_allocated"):
+    if xpu is not None and xpu_started(torch) and hasattr(xpu, "max_memory_allocated"):
         from cuda_magic.devices.meter import XpuMeter
 
-        return XpuMeter(int(xpu.current_device()))
+        return "xpu", XpuMeter(int(xpu.current_device()))
     if mps_available() and hasattr(getattr(torch, "mps", None), "current_allocated_memory"):
         from cuda_magic.devices.meter import MpsMeter
 
-        return MpsMeter()
+        return "mps", MpsMeter()
     return None
 
 
