@@ -261,7 +261,13 @@ def _only_data(level, kinds: set, levels: int) -> bool:
         if kinds <= _SEQUENCES:
             items = gc.get_referents(*part)   # exactly their items; faster than chaining them
         elif kinds == _DICT:
-            items = chain.from_iterable(map(dict.values, part))   # the walk names values, not keys
+            # The walk names values, not keys. get_referents gives the values, and the keys of a dict
+            # not keyed by strings alone: more than the values, so where that holds only data, so do
+            # the values; otherwise the values alone decide.
+            below = list(filter(gc.is_tracked, gc.get_referents(*part)))
+            if _only_data(below, set(map(type, below)), levels - 1):
+                continue
+            items = chain.from_iterable(map(dict.values, part))
         else:
             items = chain.from_iterable(o.values() if type(o) is dict else o for o in part)
         below = list(filter(gc.is_tracked, items))
