@@ -9,6 +9,7 @@ import os
 import sys
 import types
 from itertools import chain
+from operator import attrgetter
 
 from cuda_magic.devices.probe import real_storage, subclasses
 from cuda_magic.memory.kinds import KindMarker
@@ -21,6 +22,7 @@ _ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None
                      types.ModuleType, types.CodeType, property, staticmethod, classmethod,
                      type(Ellipsis), memoryview})
 _LARGE = 64                 # containers longer than this are first probed by _holds_only_data
+_PART = 2048                # objects per part of a level that _holds_only_data follows down at once
 # The exact container types whose items the probe follows: a subtree of these and atoms holds no tensor.
 _SEQUENCES = frozenset({list, tuple, set, frozenset})
 _DICT = frozenset({dict})
@@ -56,7 +58,8 @@ class _Namer:
         self.optimizers: list[tuple[str, object]] = []
         self.truncated = False
         self.records = records if records is not None else {}
-        self.keys: set[int] = set(by_id.values()) | set(self.records)
+        # the storages found: by_id's have their records
+        self.keys: set[int] = set(self.records) if records is not None else set(by_id.values())
         # id -> node: held so that its id is not reused (torch 2.2 makes a node's Python object on each access)
         self.graph_seen: dict[int, object] = {}
         self.graph_nodes = 0
@@ -136,16 +139,8 @@ class _Namer:
         elif issubclass(cls, self.optim_type):
             self.optimizers.append((name, obj))
         elif issubclass(cls, (list, tuple)):
-            if len(obj) > _LARGE and cls in _PLAIN:
-                level = list(filter(gc.is_tracked, obj))
-                kinds = set(map(type, level))
-                if kinds <= self.ttypes and len(level) == len(obj):   # only tensors: no walk call per item
-                    add = self.add
-                    for i, item in enumerate(obj):
-                        add(item, f"{name}[{i}]")
-                    return
-                if _holds_only_data(level, kinds, MAX_DEPTH + 1 - depth):
-                    return
+            if len(obj) > _LARGE and cls in _PLAIN and self._named_in_bulk(obj, name, depth):
+                return
             for i, item in enumerate(obj):
                 self.walk(item, f"{name}[{i}]", depth + 1)
         elif issubclass(cls, dict):
@@ -163,6 +158,47 @@ class _Namer:
             if attrs is not None:
                 for k, v in list(attrs.items()):
                     self.walk(v, f"{name}.{k}", depth + 1)
+
+    def _named_in_bulk(self, seq, name: str, depth: int) -> bool:
+        """Whether a long list or tuple needs no walk call per item: it holds only tensors (named here,
+        as `add` names each), or only data (_holds_only_data).
+
+        Where its first item is tracked by the garbage collector, its items' types are read part by part
+        (_parts_hold_only_data): a sequence of tensors or of plain containers (rows of dicts, lists of
+        lists) then needs no pass to leave out the untracked items (an untracked container holds only
+        atoms, which the next level leaves out). Otherwise (strings, numbers, rows of untracked tuples)
+        the tracked items are kept first, which leaves few or none.
+        """
+        levels = MAX_DEPTH + 1 - depth
+        if gc.is_tracked(seq[0]):
+            head = set(map(type, seq[:_PART]))
+            if head <= self.ttypes and set(map(type, seq)) <= self.ttypes:
+                self._add_all(seq, name)
+                return True
+            if head <= _PLAIN:
+                return _parts_hold_only_data(seq, levels)
+        level = list(filter(gc.is_tracked, seq))
+        return _holds_only_data(level, set(map(type, level)), levels)
+
+    def _add_all(self, tensors, name: str) -> None:
+        """`add(t, f"{name}[{i}]")` for each tensor of a sequence, without a call per tensor where the
+        tensor has no gradient and no graph."""
+        by_id, names = self.by_id, self.names
+        for i, t in enumerate(tensors):
+            item = f"{name}[{i}]"
+            key = by_id.get(id(t))
+            if key is not None:
+                known = names.get(key)
+                if known is None:
+                    names[key] = [item]
+                elif item not in known:
+                    known.append(item)
+            if getattr(t, "is_leaf", True):
+                grad = t.grad
+                if grad is not None:
+                    self.add(grad, f"{item}.grad")
+            elif t.grad_fn is not None:
+                self._name_graph(t.grad_fn, f"{item}{GRAPH_SUFFIX}")
 
     def _walk_module(self, mod, name: str, depth: int) -> None:
         for pname, p in mod._parameters.items():
@@ -195,34 +231,61 @@ class _Namer:
 def _holds_only_data(level: list, kinds: set, levels: int) -> bool:
     """Whether a plain container's subtree, `levels` levels down, has only atoms and plain containers.
 
-    `level` is the container's items that the garbage collector tracks, `kinds` their types. Untracked
-    objects are atoms, or tuples and dicts holding only atoms (that is when CPython untracks them); a
-    tensor is always tracked. A subtree of atoms and plain containers has no tensor, module or object
-    with attributes for the walk to name, so the walk skips it. Breadth first, one level at a time, the
-    work done in C (chain, filter, set(map(type, ...))): a list of a million rows costs milliseconds
-    instead of a million Python calls.
+    `level` is the container's items that the garbage collector tracks (or a part of them), `kinds` their
+    types (or more). Untracked objects are atoms, or tuples and dicts holding only atoms (that is when
+    CPython untracks them); a tensor is always tracked. A subtree of atoms and plain containers has no
+    tensor, module or object with attributes for the walk to name, so the walk skips it. Breadth first,
+    one level at a time, the work done in C (chain, filter, set(map(type, ...))): a list of a million
+    rows costs milliseconds instead of a million Python calls. A long level is taken in parts of _PART
+    objects, each followed down before the next: the passes over a part's subtree (its items, their
+    types, their items) then find it in the CPU's cache, where whole levels of a large heap would not.
     """
     try:
-        for remaining in range(levels, 0, -1):
-            if not level:
-                return True
-            if not kinds <= _ATOMIC_OR_PLAIN:
-                return False
-            if not kinds <= _PLAIN:   # functions, classes, modules: atomic to the walk, not followed
-                level = [o for o in level if type(o) in _PLAIN]
-                kinds &= _PLAIN
-            if remaining == 1:
-                return True           # the walk would look no deeper
-            if kinds <= _SEQUENCES:
-                items = gc.get_referents(*level)   # exactly their items; faster than chaining them
-            elif kinds == _DICT:
-                items = chain.from_iterable(map(dict.values, level))   # the walk names values, not keys
-            else:
-                items = chain.from_iterable(o.values() if type(o) is dict else o for o in level)
-            level = list(filter(gc.is_tracked, items))
-            kinds = set(map(type, level))
+        return _only_data(level, kinds, levels)
     except RuntimeError:   # another thread changed a dict or set meanwhile: let the walk decide
         return False
+
+
+def _only_data(level, kinds: set, levels: int) -> bool:
+    if levels < 1 or not level:
+        return True
+    if not kinds <= _ATOMIC_OR_PLAIN:
+        return False
+    if not kinds <= _PLAIN:   # functions, classes, modules: atomic to the walk, not followed
+        level = [o for o in level if type(o) in _PLAIN]
+        kinds = kinds & _PLAIN
+    if levels == 1:
+        return True           # the walk would look no deeper
+    for start in range(0, len(level), _PART):
+        part = level[start:start + _PART] if len(level) > _PART else level
+        if kinds <= _SEQUENCES:
+            items = gc.get_referents(*part)   # exactly their items; faster than chaining them
+        elif kinds == _DICT:
+            # The walk names values, not keys. get_referents gives the values, and the keys of a dict
+            # not keyed by strings alone: more than the values, so where that holds only data, so do
+            # the values; otherwise the values alone decide.
+            below = list(filter(gc.is_tracked, gc.get_referents(*part)))
+            if _only_data(below, set(map(type, below)), levels - 1):
+                continue
+            items = chain.from_iterable(map(dict.values, part))
+        else:
+            items = chain.from_iterable(o.values() if type(o) is dict else o for o in part)
+        below = list(filter(gc.is_tracked, items))
+        if not _only_data(below, set(map(type, below)), levels - 1):
+            return False
+    return True
+
+
+def _parts_hold_only_data(seq, levels: int) -> bool:
+    """_holds_only_data for a long list or tuple, part by part, each part's types read with its subtree."""
+    for start in range(0, len(seq), _PART):
+        part = seq[start:start + _PART]
+        kinds = set(map(type, part))
+        if not kinds <= _PLAIN:
+            part = list(filter(gc.is_tracked, part))
+            kinds = set(map(type, part))
+        if not _holds_only_data(part, kinds, levels):
+            return False
     return True
 
 
@@ -268,8 +331,11 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     wanted = ttypes | otypes | mtypes
     found = [o for o in gc.get_objects() if type(o) in wanted]
     tensors = [o for o in found if type(o) in ttypes]
-    optimizers = [o for o in found if type(o) in otypes]
-    modules = [o for o in found if type(o) in mtypes]
+    if len(tensors) < len(found):
+        optimizers = [o for o in found if type(o) in otypes]
+        modules = [o for o in found if type(o) in mtypes]
+    else:
+        optimizers, modules = [], []
     del found
     ptypes = frozenset(t for t in ttypes if issubclass(t, torch.nn.Parameter))
     params: list[int] = []       # storage keys under nn.Parameter objects
@@ -281,15 +347,24 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     strided = torch.strided
     dtype_texts: dict = {}     # torch.float32 -> 'float32', computed once per dtype, not per tensor
     device_texts: dict = {}
+    plain = (torch.Tensor, torch.nn.Parameter)
     for t in tensors:
-        try:
-            if t.layout != strided:
-                continue   # sparse, nested and other tensors without one plain storage
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        storage = real_storage(t)      # fake (torch.compile's), meta and wrapper tensors hold nothing
-        if storage is None:
-            continue
+        if type(t) in plain:           # real_storage's common case, without a call per tensor
+            try:
+                if t.layout != strided or t.is_meta:
+                    continue
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                continue
+        else:
+            try:
+                if t.layout != strided:
+                    continue   # sparse, nested and other tensors without one plain storage
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            storage = real_storage(t)      # fake (torch.compile's), meta and wrapper tensors hold nothing
+            if storage is None:
+                continue
         key = storage._cdata
         by_id[id(t)] = key
         if type(t) in ptypes:
@@ -374,5 +449,5 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
         rec.names = found
         per_device[rec.device] = per_device.get(rec.device, 0) + rec.nbytes
         result.append(rec)
-    result.sort(key=lambda r: r.nbytes, reverse=True)
+    result.sort(key=attrgetter("nbytes"), reverse=True)
     return result, per_device, notes
