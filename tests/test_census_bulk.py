@@ -1,9 +1,10 @@
-"""The census names long containers in bulk (memory/census.py: `_Namer._named_in_bulk`, `_add_all`,
-`_holds_only_data` taken part by part): every name must be the one the plain walk, item by item, gives.
+"""The census names long containers in bulk (memory/naming.py: `Namer._named_in_bulk`, `_add_all`;
+memory/data_only.py: `holds_only_data` taken part by part): every name must be the one the plain walk,
+item by item, gives.
 
 Each case builds a namespace, takes the census with the bulk paths on, and again with them off
-(`_LARGE` above every length, so that the walk visits each item itself), and compares every storage's
-names and kind. The cases are longer than a part (`_PART`), so the later parts are followed too.
+(`naming.LARGE` above every length, so that the walk visits each item itself), and compares every storage's
+names and kind. The cases are longer than a part (`data_only.PART`), so the later parts are followed too.
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import gc
 import pytest
 import torch
 
-from cuda_magic.memory import census
+from cuda_magic.memory import census, data_only, naming
 
 pytestmark = pytest.mark.usefixtures("no_gpu")
 
-N = census._PART + 700          # more than one part
+N = data_only.PART + 700          # more than one part
 
 
 class _Holder:
@@ -34,7 +35,7 @@ def _rows(tensor_at=None, value=None):
 def _census(ns: dict, monkeypatch, bulk: bool) -> dict:
     with monkeypatch.context() as m:
         if not bulk:
-            m.setattr(census, "_LARGE", 10**12)
+            m.setattr(naming, "LARGE", 10**12)
         records, _, notes = census.take_census(ns)
     return {r.storage_id: (sorted(r.names), r.kind) for r in records}, notes
 
@@ -109,6 +110,6 @@ def test_rows_keyed_by_what_holds_a_tensor_hold_only_data():
     by strings too; the walk names values only, so where a key holds a tensor the values alone decide."""
     t = torch.ones(1)
     rows = [{(t, i): [i]} for i in range(N)]
-    assert census._holds_only_data(rows, {dict}, census.MAX_DEPTH + 1)
+    assert data_only.holds_only_data(rows, {dict}, naming.MAX_DEPTH + 1)
     rows.append({"x": [t]})
-    assert not census._holds_only_data(rows, {dict}, census.MAX_DEPTH + 1)
+    assert not data_only.holds_only_data(rows, {dict}, naming.MAX_DEPTH + 1)

@@ -108,7 +108,7 @@ def folded_graphs(records) -> list:
     one row with their bytes added up and how many they are, not the same line twice. Largest first."""
     from dataclasses import replace
 
-    from cuda_magic.memory.census import GRAPH_SUFFIX
+    from cuda_magic.memory.naming import GRAPH_SUFFIX
 
     rows, folded = [], {}
     for t in records:
