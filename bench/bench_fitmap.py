@@ -66,15 +66,18 @@ LARGE = {
                         ("Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2)",
                          "Block(4, 4, 1), Block(4, 8, 2), Block(8, 16, 2)"),
                         ("nn.Linear(64, 10)", "nn.Linear(16, 10)")]),
-    # `generate` after 1024-token prompts: its largest at 2 GiB is about 416 (the attention is not materialised,
-    # so the memory grows only linearly with the prompt): still too many values for a window here
-    "generate": ("2GiB", [("max_position_embeddings=256", "max_position_embeddings=1088")]),
+    # `generate` with a vocabulary of 2**20 on a width of 8: its memory is each step's logits (the last
+    # position's, 4 MiB a row) and what generate makes of them (about 24.5 MiB a row in all), computed at
+    # 8 multiply-adds a float; 2 new tokens: largest 81, a run 2-14 s here. (1024-token prompts made the
+    # largest about 416 at 40-87 s a run: the KV cache costs the prompt's length in attention work per float)
+    "generate": ("2GiB", [("vocab_size=512, hidden_size=64, intermediate_size=176",
+                           "vocab_size=1048576, hidden_size=8, intermediate_size=32")]),
 }
 LARGE_CELL = {
     "mlp": [("torch.randn(bs, 256)", "torch.randn(bs, 16)")],
     "llama": [("(bs, 32)", "(bs, 128)")],
     "bert": [("48", "512")],
-    "generate": [("torch.randint(1, 512, (bs, 16))", "torch.randint(1, 512, (bs, 1024))")],
+    "generate": [("max_new_tokens=48, min_new_tokens=48", "max_new_tokens=2, min_new_tokens=2")],
 }
 
 
