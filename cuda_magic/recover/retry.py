@@ -206,9 +206,11 @@ def measured_prediction(m: Measured, available: int, kept: bool) -> NextValue | 
     checked, value = "", int(measured * MEASURED_SHARE)
     if found is not None:
         served, seen, fits = found
+        steps = (", as the cell's first two steps (the optimizer's state made after the first)"
+                 if cost.state_to_come else "")
         checked = (f"; {measured} by the bytes, {served} once its allocations are replayed on the caching "
-                   "allocator as it is now" if served < measured
-                   else "; its allocations replayed on the caching allocator fit")
+                   f"allocator as it is now{steps}" if served < measured
+                   else f"; its allocations replayed on the caching allocator fit{steps}")
         measured, value = served, int(served * MEASURED_SHARE)
         chosen = steady(value, fits, 0.15, seen, floor=1)
         if chosen != value:
