@@ -306,7 +306,8 @@ def test_the_state_the_first_step_makes_is_counted_where_it_lands(tip):
     # issue 36: -r on the 2 GiB MLP took 3 runs (176, then 98: "95% of 104" where 93 is the largest),
     # --search 8 (101 and 94 out of memory): the allocator model took the momentum before the pass on a
     # clean allocator, while the cell makes it after its first step, cut from the blocks its activations
-    # left cached. At this size -r took 158 89 80 and --search 158 36 91 63 84 88 84 before the fix.
+    # left cached. At this size, before the fix, -r took 168 89 80 (from 168) and --search 156 36 91 63 84 88
+    # 84 (from 156).
     assert SETUP_WIDE != SETUP and CELL_WIDE != CELL
     tip.run_line_magic("gpumem", "--simulate 512MiB -q")
     try:
