@@ -542,7 +542,9 @@ class BatchSearch:
         available = self._available()
         if available is None:
             return None
-        # the gradients through the whole pass: with -a, or once a measured prediction did not fit
+        # the gradients through the whole pass: with -a, or once a measured prediction did not fit; the first
+        # counts what the measured pass shows the cell holding across it: the gradients where they are there
+        # in its forward pass, the optimizer's state where its first step makes it (ModelCost.fits_allocator)
         kept = self.accumulating or any(not m.ok and m.value in self._measured_values for m in self.history)
         measured, other, bounds = [], [], []
         for m in self.history:
