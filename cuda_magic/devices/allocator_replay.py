@@ -85,33 +85,59 @@ def timeline_lines(small: Timeline, large: Timeline, rows: int) -> tuple | None:
 
 
 def replay_fits(model, lines: tuple, rows: float, *, before=(), grads=(), kept: bool = False,
-                backward_at: int | None = None) -> bool:
+                backward_at: int | None = None, state_after=(), carried: bool = True) -> bool:
     """Whether the allocator `model` (a copy: it is used up) can serve `before` (bytes of blocks taken
     first and held: what the cell holds besides the pass), `grads` (the gradients' bytes, there before the
     pass) and then the timeline `lines` at `rows` rows (`timeline_lines`) without failing to reserve
     memory. `kept`: the gradients stay through the pass, each one it computes accumulated into them and
     given back at once; else they are set to None when the backward pass starts (event `backward_at`)
-    and the pass makes its own."""
+    and the pass makes its own.
+
+    `state_after`: the bytes of each buffer of the optimizer's state that the cell's first step makes
+    after its pass: the timeline is then replayed as the cell's first two steps, that state taken between
+    them where the allocator finds room then (in the cache the first pass's activations left, as on a GPU:
+    a 64 MiB buffer split off a 392 MiB block leaves a hole that the next 392 MiB request cannot use), and
+    the second pass with the gradients the first made held through its forward where `carried` (the cell
+    zeroes them after its forward, or accumulates them: `kept`), else given back before it."""
     from cuda_magic.devices.caching_allocator import CannotReserve
 
     try:
         for nbytes in before:
             model.malloc(int(nbytes))
-        held_grads = [model.malloc(int(nbytes)) for nbytes in grads]
-        taken: dict[int, object] = {}
-        for i, event in enumerate(lines):
-            if i == backward_at and not kept:
-                for block in held_grads:
+        held = [model.malloc(int(nbytes)) for nbytes in grads]
+        held = _replay_pass(model, lines, rows, held, kept, backward_at)
+        if state_after:
+            for nbytes in state_after:
+                model.malloc(int(nbytes))
+            if not (carried or kept):
+                for block in held:
                     model.free(block)
-                held_grads = []
-            if event[0] == ALLOC:
-                block = model.malloc(max(0, int(event[1] + event[2] * rows)))
-                if kept and grads and event[3]:
-                    model.free(block)
-                else:
-                    taken[i] = block
-            else:
-                model.free(taken.pop(event[1], None))
+                held = []
+            _replay_pass(model, lines, rows, held, kept, backward_at)
     except CannotReserve:
         return False
     return True
+
+
+def _replay_pass(model, lines: tuple, rows: float, held: list, kept: bool, backward_at: int | None) -> list:
+    """One pass of `replay_fits`, with `held` (gradient blocks there before it); the gradient blocks there
+    after it: `held` where they are kept (each gradient computed accumulated into them), else those the
+    pass made."""
+    taken: dict[int, object] = {}
+    made = []
+    for i, event in enumerate(lines):
+        if i == backward_at and not kept:
+            for block in held:
+                model.free(block)
+            held = []
+        if event[0] == ALLOC:
+            block = model.malloc(max(0, int(event[1] + event[2] * rows)))
+            if kept and held and event[3]:
+                model.free(block)
+            else:
+                taken[i] = block
+                if event[3]:
+                    made.append(i)
+        else:
+            model.free(taken.pop(event[1], None))
+    return held if kept and held else [taken[i] for i in made if i in taken]

@@ -57,6 +57,7 @@ class ModelCost:
                                   # failing module: what the failure held of the model's own memory
     fixed_held: int = 0           # gradients and optimizer state the attempt had allocated when it failed
     state_to_come: int = 0        # optimizer state the optimizer's first step will allocate
+    grads_at_start: int = 0       # the parameters' gradients there when the cell starts (before its first pass)
     probe_rows: tuple = ()        # the slices measured (rows)
     seconds: float = 0.0          # what measuring them took
     forward_moments: tuple = ()   # (fixed, per_row) after each operation of the forward pass
@@ -73,12 +74,17 @@ class ModelCost:
 
     def fits_allocator(self, rows: int, kept: bool, besides: float) -> bool | None:
         """Whether a training step at `rows` fits on a copy of the device's caching allocator as it is now:
-        the optimizer state still to come and `besides` (the rest the cell holds: its batch, labels) taken
-        first, with the gradients there before the pass where the cost counts them in the forward pass
-        (set to None when the backward pass starts) or `kept` (through the pass: each gradient it computes
-        a temporary, accumulated into them), then the pass's measured allocations and frees at `rows`: as
-        `peak` counts them, in the allocator's blocks and segments. None where there is no allocator to ask (the plain
-        count, a GPU) or no timeline."""
+        `besides` (the rest the cell holds: its batch, labels) taken first, with the gradients there before
+        the pass where the cost counts them in the forward pass (set to None when the backward pass starts)
+        or `kept` (through the pass: each gradient it computes a temporary, accumulated into them), then the
+        pass's measured allocations and frees at `rows`: as `peak` counts them, in the allocator's blocks
+        and segments. Where the optimizer's first step has state still to allocate, the cell's first two
+        steps are replayed (devices/allocator_replay.replay_fits, `state_after`): the first pass with the
+        gradients the cell starts with, that state made after it (where the first pass's activations left
+        room in the cache: split off their large blocks, it leaves holes that the second pass's activations
+        cannot use; the 2 GiB MLP's state, taken before the pass, said 104 rows fit where 93 is the
+        largest), then the second pass; else the state is there before the pass. None where there is no
+        allocator to ask (the plain count, a GPU) or no timeline."""
         from cuda_magic.devices.allocator_replay import replay_fits
 
         if not self.timeline or self.allocator is None:
@@ -86,14 +92,18 @@ class ModelCost:
         model = self.allocator()
         if model is None:
             return None
-        before = []
+        state = []
         total = sum(self.param_bytes)
         if total and self.state_to_come:
             copies, rest = divmod(int(self.state_to_come), total)
-            before += list(self.param_bytes) * copies + ([rest] if rest else [])
-        if besides > 0:
-            before.append(int(besides))
-        grads = self.param_bytes if kept or self.grads_in_forward > 0 else ()
+            state = list(self.param_bytes) * copies + ([rest] if rest else [])
+        before = [int(besides)] if besides > 0 else []
+        carried = kept or self.grads_in_forward > 0
+        grads = self.param_bytes if carried else ()
+        if state:
+            first = self.param_bytes if carried and self.grads_at_start > 0 else ()
+            return replay_fits(model, self.timeline, rows, before=before, grads=first, kept=kept,
+                               backward_at=self.backward_event, state_after=state, carried=carried)
         return replay_fits(model, self.timeline, rows, before=before, grads=grads, kept=kept,
                            backward_at=self.backward_event)
 

@@ -118,6 +118,7 @@ class Replay:
                          entries=entries, fixed_held=fixed_held, forward_moments=forward_moments,
                          entry_samples=entry_samples,
                          state_to_come=max(0, max(full, self.state_at_failure) - state_now),
+                         grads_at_start=grads_start,
                          probe_rows=(rows, 2 * rows), seconds=time.perf_counter() - t0,
                          timeline=timeline, allocator=allocator, segments=reserves_segments(meter),
                          backward_event=backward_event,

@@ -206,9 +206,11 @@ def measured_prediction(m: Measured, available: int, kept: bool) -> NextValue | 
     checked, value = "", int(measured * MEASURED_SHARE)
     if found is not None:
         served, seen, fits = found
+        steps = (", as the cell's first two steps (the optimizer's state made after the first)"
+                 if cost.state_to_come else "")
         checked = (f"; {measured} by the bytes, {served} once its allocations are replayed on the caching "
-                   "allocator as it is now" if served < measured
-                   else "; its allocations replayed on the caching allocator fit")
+                   f"allocator as it is now{steps}" if served < measured
+                   else f"; its allocations replayed on the caching allocator fit{steps}")
         measured, value = served, int(served * MEASURED_SHARE)
         chosen = steady(value, fits, 0.15, seen, floor=1)
         if chosen != value:
@@ -540,7 +542,9 @@ class BatchSearch:
         available = self._available()
         if available is None:
             return None
-        # the gradients through the whole pass: with -a, or once a measured prediction did not fit
+        # the gradients through the whole pass: with -a, or once a measured prediction did not fit; the first
+        # counts what the measured pass shows the cell holding across it: the gradients where they are there
+        # in its forward pass, the optimizer's state where its first step makes it (ModelCost.fits_allocator)
         kept = self.accumulating or any(not m.ok and m.value in self._measured_values for m in self.history)
         measured, other, bounds = [], [], []
         for m in self.history:
