@@ -164,24 +164,10 @@ class Namer:
         return holds_only_data(level, set(map(type, level)), levels)
 
     def _add_all(self, tensors, name: str) -> None:
-        """`add(t, f"{name}[{i}]")` for each tensor of a sequence, without a call per tensor where the
-        tensor has no gradient and no graph."""
-        by_id, names = self.by_id, self.names
+        """`add(t, f"{name}[{i}]")` for each tensor of a sequence."""
+        add = self.add
         for i, t in enumerate(tensors):
-            item = f"{name}[{i}]"
-            key = by_id.get(id(t))
-            if key is not None:
-                known = names.get(key)
-                if known is None:
-                    names[key] = [item]
-                elif item not in known:
-                    known.append(item)
-            if getattr(t, "is_leaf", True):
-                grad = t.grad
-                if grad is not None:
-                    self.add(grad, f"{item}.grad")
-            elif t.grad_fn is not None:
-                self._name_graph(t.grad_fn, f"{item}{GRAPH_SUFFIX}")
+            add(t, f"{name}[{i}]")
 
     def _walk_module(self, mod, name: str, depth: int) -> None:
         for pname, p in mod._parameters.items():
