@@ -166,12 +166,15 @@ def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: di
 def every_value(ip, largest: int, window: float, below: int, seen: dict) -> None:
     """`--map-only`: every value from `window` under `largest` to `window` above the largest value that
     fits (raised while a value above it fits, so a fitting value past the first window is followed), then
-    every `below`-th value under the window, counted down from it (1: every value from 1)."""
+    every `below`-th value under the window, counted down from it (1: every value from 1). Above `largest`
+    first (what says whether it is the largest), then down from it, so that a stopped map has those."""
     low = max(1, int(largest * (1 - window)))
-    v = low
+    v = largest
     while v <= int((1 + window) * max([largest] + [u for u, ok in seen.items() if ok])) + 1:
         fits(ip, v, seen)
         v += 1
+    for v in range(largest - 1, low - 1, -1):
+        fits(ip, v, seen)
     for v in range(low - max(1, below), 0, -max(1, below)):
         fits(ip, v, seen)
 
