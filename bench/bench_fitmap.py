@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_fitmap.py [--cells mlp cnn gpt llama bert resnet generate]
         [--scale small|large] [--start-factor 2] [--every N] [--window 0.2] [--grid 6]
         [--estimate CELL=N ...] [--guess CELL=N ...] [--within 0.05] [--map-first] [--json OUT] [--maps IN]
+        [--map-only [--below-every N] [--resume]]
 
 For each cell (bench/bench_predict.py's cells: the MLP, CNN and GPT of bench_retry_training.py, and the
 transformers Llama, BERT and `generate` and the ResNet of tests/model_cells.py, built from configs), in a
@@ -26,7 +27,9 @@ allocator does: 2 and 20 MiB segments, rounded blocks, its cache):
 `--scale large`: 2 GiB (a 20 MiB segment under 1%), each cell's rows made larger (wider, longer, bigger
 images; see LARGE) so that its largest value at 2 GiB is about 50-150 and a window of 20% is tens of runs. `--maps IN` reads the largest
 values of an earlier run's JSON instead of mapping again (to measure another version of the code against
-the same maps).
+the same maps). `--map-only`: no method run; the map of every value from 1 (or every `--below-every`-th
+under the window) to `--window` above the largest that fits, around the largest of `--maps` (whose
+methods' figures are carried and scored against the new largest) or `--estimate`.
 """
 from __future__ import annotations
 
@@ -163,6 +166,40 @@ def fit_map(ip, found: list[int], every: int, window: float, grid: int, seen: di
         fits(ip, v, seen)
 
 
+def every_value(ip, largest: int, window: float, below: int, seen: dict) -> None:
+    """`--map-only`: every value from `window` under `largest` to `window` above the largest value that
+    fits (raised while a value above it fits, so a fitting value past the first window is followed), then
+    every `below`-th value under the window, counted down from it (1: every value from 1). Above `largest`
+    first (what says whether it is the largest), then down from it, so that a stopped map has those."""
+    low = max(1, int(largest * (1 - window)))
+    v = largest
+    while v <= int((1 + window) * max([largest] + [u for u, ok in seen.items() if ok])) + 1:
+        fits(ip, v, seen)
+        v += 1
+    for v in range(largest - 1, low - 1, -1):
+        fits(ip, v, seen)
+    for v in range(low - max(1, below), 0, -max(1, below)):
+        fits(ip, v, seen)
+
+
+def islands(seen: dict) -> list[tuple[int, int]]:
+    """The values that run out below the largest that fits, in ranges (first, last) of consecutive values
+    run: where fitting is not monotone."""
+    top = max([v for v, ok in seen.items() if ok], default=0)
+    out: list[list[int]] = []
+    last = None
+    for v in sorted(seen):
+        if v >= top:
+            break
+        if not seen[v]:
+            if out and last is not None and not seen[last] and out[-1][1] == last:
+                out[-1][1] = v
+            else:
+                out.append([v, v])
+        last = v
+    return [(a, b) for a, b in out]
+
+
 def ranges(seen: dict) -> str:
     from cuda_magic.recover.largest import FitMap
 
@@ -193,6 +230,50 @@ def methods(ip, cell: str, start: int, seen: dict, chosen=("r", "search", "predi
     return out
 
 
+def map_only(args, earlier: dict) -> dict:
+    """`--map-only`: each cell's map of every value (every_value) around the largest of `--maps` (or
+    `--estimate`), the methods not run: their figures are carried from `--maps` and scored against the new
+    largest. `--resume`: the values a `--map-only` JSON (or its partial part) has already run are kept."""
+    known = dict(item.split("=") for item in args.estimate)
+    befores = {key: earlier.get(key) or earlier.get("_partial", {}).get(key) or {} for key in args.cells}
+    for key, before in befores.items():      # checked for every cell before any runs
+        if key not in known and "largest" not in before:
+            raise SystemExit(f"{key}: --map-only needs its largest from --maps or --estimate {key}=N")
+        if args.resume and before and not before.get("map_only"):
+            raise SystemExit(f"{key}: --resume reads only a --map-only JSON (another map's runs started "
+                             "from another state)")
+    ip = brt.shell()
+    results: dict = {}
+    for key in args.cells:
+        before = befores[key]
+        print(f"{key}:", file=sys.stderr)
+        _, cap = prepared(ip, key, args.scale)
+        seen: dict[int, bool] = ({int(v): ok for v, ok in before.get("seen", {}).items()} if args.resume else {})
+        first = int(known[key]) if key in known else before.get("first_largest", before["largest"])
+        entry = dict(cap=cap, map_only=True, window=args.window, below_every=args.below_every,
+                     first_largest=first, estimate=before.get("estimate"), start=before.get("start"),
+                     methods=before.get("methods"), seconds=before.get("seconds", 0.0) if args.resume else 0.0)
+        PARTIAL.clear()
+        PARTIAL.update(results, _json=args.json, _partial={key: {**entry, "largest": first, "seen": seen}})
+        t0 = time.perf_counter()
+        every_value(ip, first, args.window, args.below_every, seen)
+        entry["seconds"] += time.perf_counter() - t0
+        results[key] = dict(entry, largest=max(v for v, ok in seen.items() if ok), map=ranges(seen),
+                            islands=islands(seen), runs=len(seen),
+                            seen={str(v): ok for v, ok in sorted(seen.items())})
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print("command: .venv/bin/python bench/bench_fitmap.py " + " ".join(args.argv) + "\n")
+    for key, r in results.items():
+        big = r["largest"]
+        scored = ", ".join(f"{k} {m['found']} ({100 * m['found'] / big:.0f}%)"
+                           for k, m in (r["methods"] or {}).items() if m.get("found"))
+        gaps = ", ".join(f"{a}-{b}" if b != a else f"{a}" for a, b in r["islands"]) or "none"
+        print(f"- {key} ({r['cap']}, {r['runs']} runs, {r['seconds']:.0f} s): largest {big} (was {r['first_largest']}); "
+              f"{r['map']}; out of memory below the largest: {gaps}" + (f"; methods: {scored}" if scored else ""))
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=["mlp", "cnn", "gpt", "llama", "bert", "resnet", "generate"])
@@ -213,8 +294,18 @@ def main(argv=None) -> None:
     parser.add_argument("--maps", help="an earlier run's JSON: its largest values and starts, not mapped again")
     parser.add_argument("--methods", nargs="+", choices=["r", "search", "predict"], default=["r", "search", "predict"],
                         help="with --maps: only these (the others' figures taken from the maps' JSON)")
+    parser.add_argument("--map-only", action="store_true",
+                        help="only the map of every value around the largest of --maps or --estimate")
+    parser.add_argument("--below-every", type=int, default=1,
+                        help="with --map-only: every N-th value under the window (1: every value from 1)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --map-only: keep the values the --maps JSON (a --map-only one) has run")
     args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     earlier = json.loads(Path(args.maps).read_text()) if args.maps else {}
+    if args.map_only:
+        map_only(args, earlier)
+        return
     ip = brt.shell()
     results = {}
     for key in args.cells:
