@@ -3,6 +3,7 @@ microseconds) where that is the peak since the reset, else from /proc/self/statu
 the peak since the last reset by any reader. Linux only (/proc/self/clear_refs)."""
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -17,11 +18,13 @@ MiB = 1 << 20
 
 
 def _touch(nbytes: int) -> None:
-    """Make `nbytes` resident for a moment, then give them back."""
-    block = bytearray(nbytes)
+    """Make `nbytes` resident for a moment, then give them back: an anonymous mapping of its own, so that
+    the pages are new whatever malloc keeps (a bytearray can be served from pages an earlier test left
+    resident in malloc's heap, and then the resident size does not grow)."""
+    block = mmap.mmap(-1, nbytes)
     for i in range(0, nbytes, 4096):
         block[i] = 1
-    del block
+    block.close()
 
 
 def _status_peak() -> int:
