@@ -53,11 +53,8 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     wanted = ttypes | otypes | mtypes
     found = [o for o in gc.get_objects() if type(o) in wanted]
     tensors = [o for o in found if type(o) in ttypes]
-    if len(tensors) < len(found):
-        optimizers = [o for o in found if type(o) in otypes]
-        modules = [o for o in found if type(o) in mtypes]
-    else:
-        optimizers, modules = [], []
+    optimizers = [o for o in found if type(o) in otypes]
+    modules = [o for o in found if type(o) in mtypes]
     del found
     ptypes = frozenset(t for t in ttypes if issubclass(t, torch.nn.Parameter))
     params: list[int] = []       # storage keys under nn.Parameter objects
@@ -69,24 +66,15 @@ def take_census(namespace: dict | None = None, *, traceback=None, out_cache: dic
     strided = torch.strided
     dtype_texts: dict = {}     # torch.float32 -> 'float32', computed once per dtype, not per tensor
     device_texts: dict = {}
-    plain = (torch.Tensor, torch.nn.Parameter)
     for t in tensors:
-        if type(t) in plain:           # real_storage's common case, without a call per tensor
-            try:
-                if t.layout != strided or t.is_meta:
-                    continue
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-                continue
-        else:
-            try:
-                if t.layout != strided:
-                    continue   # sparse, nested and other tensors without one plain storage
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue
-            storage = real_storage(t)      # fake (torch.compile's), meta and wrapper tensors hold nothing
-            if storage is None:
-                continue
+        try:
+            if t.layout != strided:
+                continue   # sparse, nested and other tensors without one plain storage
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        storage = real_storage(t)      # fake (torch.compile's), meta and wrapper tensors hold nothing
+        if storage is None:
+            continue
         key = storage._cdata
         by_id[id(t)] = key
         if type(t) in ptypes:

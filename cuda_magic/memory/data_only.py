@@ -9,15 +9,16 @@ import types
 from itertools import chain
 
 ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
-                     type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                     types.ModuleType, types.CodeType, property, staticmethod, classmethod,
-                     type(Ellipsis), memoryview})
+                    type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                    types.ModuleType, types.CodeType, property, staticmethod, classmethod,
+                    type(Ellipsis), memoryview})
 PART = 2048                # objects per part of a level that holds_only_data follows down at once
 # The exact container types whose items the probe follows: a subtree of these and atoms holds no tensor.
 SEQUENCES = frozenset({list, tuple, set, frozenset})
 DICT = frozenset({dict})
 PLAIN = SEQUENCES | DICT
 ATOMIC_OR_PLAIN = ATOMIC | PLAIN
+
 
 def holds_only_data(level: list, kinds: set, levels: int) -> bool:
     """Whether a plain container's subtree, `levels` levels down, has only atoms and plain containers.
