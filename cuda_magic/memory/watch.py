@@ -62,8 +62,7 @@ class CellWatcher:
     # use) comes first. bench/bench_watch.py measures them.
     def pre_run_cell(self, info=None) -> None:
         try:
-            sim = active_device()         # self._device(), inline
-            kind, dev = ("sim", sim) if sim is not None else (_gpu_now() or ("cpu", None))
+            kind, dev = self._device()
             # a live gauge reading the counter keeps the peak the reset takes away (gauge_reader)
             if kind == "cpu":
                 proc = self._proc
